@@ -1,0 +1,5 @@
+import sys
+
+from hpcnft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,59 @@
+"""The `hpcnft` command. Each subcommand lives in its own module, imported only when used, so
+light commands (compare, show) start without loading torch. A command module provides
+`add_arguments(name, parser)` and `main(name, args) -> int`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("hpcnft.cli_run", "run the job (spawns the layout's ranks when no launcher is present)"),
+    "submit": ("hpcnft.submit_job", "submit a run through submitit (slurm, local or debug)"),
+    "make-tiny": ("hpcnft.cli_run", "write the tiny SD3 and PickScore model folders"),
+    "compare": ("hpcnft.report", "compare the metric series of two runs or standards"),
+    "show": ("hpcnft.report", "summarise a run file: config, topology, attempts, events, metrics"),
+    "plot": ("hpcnft.report", "plot metric curves of one or more runs to a PNG"),
+    "watch": ("hpcnft.report", "follow a live run, one line per new step"),
+    "export-metrics": ("hpcnft.report", "export metrics to CSV or TensorBoard"),
+    "export": ("hpcnft.export", "export trained weights of a checkpoint as a diffusers-loadable folder"),
+    "bench": ("hpcnft.bench", "GPU throughput and MFU of each phase beside the plain diffusers/peft stack"),
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcnft", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv or ["--help"])
+        return 2
+    name = argv[0]
+    module_name, help_ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        print(f"hpcnft {name}: unavailable ({e})", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"hpcnft {name}", description=help_)
+    module.add_arguments(name, parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.main(name, args) or 0)
+    except UsageError as e:
+        print(f"hpcnft {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hpcnft {name}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,363 @@
+"""The config: a dataclass tree, TOML recipes and `--set key=value` overrides, validated.
+
+A recipe is a TOML file whose tables mirror the dataclasses below (`[optim] lr = 3e-4`).
+`--set optim.lr=1e-3` overrides one value; the value is read as a TOML literal, so
+`--set layout.train_ranks=1`, `--set train.finetune="full"` and `--set train.finetune=full` work.
+Unknown keys, wrong types and out-of-range values are refused with a message naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the user in one line."""
+
+
+@dataclass
+class ModelsConfig:
+    # Empty sd3_dir / pickscore_dir mean "the tiny models", built into tiny_cache on first use.
+    sd3_dir: str = ""
+    pickscore_dir: str = ""
+    pickscore_processor_dir: str = ""  # defaults to pickscore_dir
+    tiny_cache: str = ""  # defaults to $HPCNFT_CACHE/tiny-models or ~/.cache/hpcnft/tiny-models
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = "builtin:tiny_train_prompts.txt"
+    eval_prompts: str = "builtin:tiny_eval_prompts.txt"
+    shuffle: bool = False  # seeded shuffle per pass over the file (recipe: file order)
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8  # P
+    samples_per_prompt: int = 8  # G
+    num_steps: int = 10
+    guidance_scale: float = 1.0  # 1.0 = no CFG
+    height: int = 512
+    width: int = 512
+    max_sequence_length: int = 256  # T5 tokens
+    batch_size: int = 8  # samples per DiT forward; also the chunk sent to the reward rank
+    seed: int = 42
+    uint8_rounding: str = "round"  # "round" (official) or "truncate" (miles)
+
+
+@dataclass
+class NFTConfig:
+    beta: float = 1.0
+    adv_clip_max: float = 5.0
+    timestep_fraction: float = 0.99
+    timestep_strategy: str = "first"  # "first" K sigmas (miles) or "drop_random" (official)
+    shuffle_timesteps: bool = True
+    adaptive_weight: bool = True
+    std_estimator: str = "unbiased"  # "unbiased" (miles, N-1) or "population" (official, N)
+    kl_beta: float = 0.0  # official: 1e-4 against the frozen base model
+
+
+@dataclass
+class TrainConfig:
+    finetune: str = "lora"  # "lora" or "full"
+    lora_rank: int = 32
+    lora_alpha: int = 64
+    lora_targets: list[str] = field(default_factory=lambda: [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"])
+    micro_batch: int = 4  # (sample, sigma) pairs per forward/backward
+    precision: str = "fp16"  # "fp32", "fp16" (autocast + grad scaler) or "bf16" (autocast)
+    grad_scaler_init: float = 65536.0
+    grad_checkpointing: bool = False
+    seed: int = 1234  # NFT seeds (sigma shuffle, corruption noise, LoRA init)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class EMAConfig:
+    # old policy: theta_old <- d*theta_old + (1-d)*theta, d = min(ramp*k, max) after k>flat steps
+    ramp: float = 0.001
+    max: float = 0.5
+    flat_steps: int = 0
+    flat_decay: float = 0.0
+
+
+@dataclass
+class EvalConfig:
+    every: int = 30  # 0 disables periodic eval (the end-of-run eval still runs when enabled)
+    num_steps: int = 50
+    num_prompts: int = 0  # 0 = the whole eval prompt file
+    seed: int = 42
+    at_end: bool = True
+    at_start: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 20
+    keep: int = 2
+    at_end: bool = True
+
+
+@dataclass
+class LayoutConfig:
+    train_ranks: int = 2  # used by the local spawner; under a launcher the world size decides
+    reward_ranks: int = 1  # 0 = reward scored in the training process (colocated)
+    backend: str = "auto"  # "auto" (nccl on GPUs, gloo on CPUs), "gloo", "nccl"
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    timeout_s: float = 600.0  # collectives and reward traffic
+
+
+@dataclass
+class DeterminismConfig:
+    enabled: bool = True
+    cpu_threads: int = 1  # fixed per rank: CPU conv reductions depend on the thread count
+
+
+@dataclass
+class PreemptConfig:
+    signal: str = "SIGUSR2"
+    handle_sigterm: bool = True
+    requeue: bool = True  # under Slurm, rank 0 runs `scontrol requeue $SLURM_JOB_ID`
+
+
+@dataclass
+class LoggingConfig:
+    sample_grid_every: int = 10  # 0 disables the PNG grid of rollout images
+    sample_grid_images: int = 16
+
+
+@dataclass
+class Config:
+    steps: int = 100
+    run_dir: str = ""
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    preempt: PreemptConfig = field(default_factory=PreemptConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    # -- derived ----------------------------------------------------------------------
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+# Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
+RESUME_MUTABLE_KEYS = {"steps", "run_dir", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
+                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
+                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue"}
+
+CHOICES = {
+    "train.finetune": ("lora", "full"),
+    "train.precision": ("fp32", "fp16", "bf16"),
+    "nft.timestep_strategy": ("first", "drop_random"),
+    "nft.std_estimator": ("unbiased", "population"),
+    "layout.backend": ("auto", "gloo", "nccl"),
+    "layout.device": ("auto", "cpu", "cuda"),
+    "rollout.uint8_rounding": ("round", "truncate"),
+}
+POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.num_steps",
+            "rollout.height", "rollout.width", "rollout.max_sequence_length", "rollout.batch_size",
+            "train.lora_rank", "train.lora_alpha", "train.micro_batch", "train.grad_scaler_init",
+            "optim.lr", "optim.grad_clip", "layout.train_ranks", "layout.timeout_s", "eval.num_steps",
+            "checkpoint.keep", "nft.beta", "nft.adv_clip_max", "determinism.cpu_threads"}
+NON_NEGATIVE = {"optim.weight_decay", "optim.eps", "ema.ramp", "ema.max", "ema.flat_steps", "ema.flat_decay",
+                "eval.every", "eval.num_prompts", "checkpoint.every", "layout.reward_ranks",
+                "nft.kl_beta", "logging.sample_grid_every", "logging.sample_grid_images"}
+UNIT_INTERVAL = {"nft.timestep_fraction", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _type_of(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(key: str, value, typ):
+    """Check `value` against the annotated type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(key, v, item) for v in value]
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {typ}")
+
+
+def _apply(obj, data: dict, prefix: str = "") -> None:
+    fields = _fields(type(obj))
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown config key {key!r}" + _suggest(name, fields))
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: is a table of settings, not a value")
+            _apply(current, value, key + ".")
+        else:
+            setattr(obj, name, _coerce(key, value, _type_of(type(obj), name)))
+
+
+def _suggest(name: str, fields) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_set(item: str) -> tuple[str, object]:
+    """`a.b=value` -> ("a.b", parsed value); the value is a TOML literal, or a bare string."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _nest(key: str, value) -> dict:
+    out: dict = {}
+    cur = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("hpcnft.recipes").iterdir() if p.name.endswith(".toml"))
+
+
+def read_recipe(recipe: str) -> tuple[str, dict]:
+    """A recipe name (tiny, sd35m_pickscore) or a path to a TOML file -> (source, table)."""
+    if recipe.endswith(".toml") or os.sep in recipe:
+        if not os.path.isfile(recipe):
+            raise ConfigError(f"recipe file {recipe!r} does not exist")
+        source, text = recipe, open(recipe, encoding="utf-8").read()
+    else:
+        res = resources.files("hpcnft.recipes") / f"{recipe}.toml"
+        if not res.is_file():
+            raise ConfigError(f"unknown recipe {recipe!r} (known: {', '.join(recipe_names())})")
+        source, text = f"recipe:{recipe}", res.read_text(encoding="utf-8")
+    try:
+        return source, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: invalid TOML ({e})") from None
+
+
+def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, steps: int | None = None,
+                run_dir: str | None = None) -> Config:
+    cfg = Config()
+    _, table = read_recipe(recipe)
+    _apply(cfg, table)
+    for item in overrides or []:
+        key, value = parse_set(item)
+        _apply(cfg, _nest(key, value))
+    if steps is not None:
+        _apply(cfg, {"steps": steps})
+    if run_dir is not None:
+        cfg.run_dir = run_dir
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = Config()
+    _apply(cfg, data)
+    validate(cfg)
+    return cfg
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> list[str]:
+    fa, fb = flatten(a), flatten(b)
+    return sorted(k for k in set(fa) | set(fb) if k not in ignore and fa.get(k) != fb.get(k))
+
+
+def validate(cfg: Config) -> None:
+    flat = flatten(cfg.to_dict())
+    for key, allowed in CHOICES.items():
+        if flat[key] not in allowed:
+            raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not flat[key] > 0:
+            raise ConfigError(f"{key}: must be > 0, got {flat[key]!r}")
+    for key in NON_NEGATIVE:
+        if not flat[key] >= 0:
+            raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
+    for key in UNIT_INTERVAL:
+        if not 0 <= flat[key] <= 1:
+            raise ConfigError(f"{key}: must be within [0, 1], got {flat[key]!r}")
+    r = cfg.rollout
+    for key in ("height", "width"):
+        if getattr(r, key) % 16:
+            raise ConfigError(f"rollout.{key}: must be a multiple of 16, got {getattr(r, key)}")
+    if int(r.num_steps * cfg.nft.timestep_fraction) < 1:
+        raise ConfigError("nft.timestep_fraction: trains no sigma at rollout.num_steps "
+                          f"{r.num_steps} (needs num_steps * fraction >= 1)")
+    if r.batch_size > cfg.samples_per_step:
+        raise ConfigError(f"rollout.batch_size: {r.batch_size} is more than the {cfg.samples_per_step} "
+                          "samples of a step")
+    if not cfg.train.lora_targets and cfg.train.finetune == "lora":
+        raise ConfigError("train.lora_targets: empty, LoRA would train nothing")

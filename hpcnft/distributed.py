@@ -1,0 +1,172 @@
+"""Process groups, roles and the local spawner.
+
+Roles come from `layout`: the last `reward_ranks` ranks serve PickScore, the others train (one
+FSDP2 mesh). World 1 is colocated: the one process trains and scores.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hpcnft.config import Config, ConfigError
+from hpcnft.launch import LaunchInfo
+
+
+@dataclass
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    train_ranks: list[int]
+    reward_ranks: list[int]
+    launcher: str
+    backend: str
+    device: torch.device
+    job_id: str | None = None
+    restart_count: int = 0
+    hosts: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+
+    @property
+    def role(self) -> str:
+        if not self.reward_ranks:
+            return "colocated"
+        return "reward" if self.rank in self.reward_ranks else "train"
+
+    @property
+    def is_train(self) -> bool:
+        return self.role != "reward"
+
+    @property
+    def train_index(self) -> int:
+        return self.train_ranks.index(self.rank)
+
+    def reward_rank_for(self, train_rank: int) -> int:
+        return self.reward_ranks[self.train_ranks.index(train_rank) % len(self.reward_ranks)]
+
+    def clients_of(self, reward_rank: int) -> list[int]:
+        return [t for t in self.train_ranks if self.reward_rank_for(t) == reward_rank]
+
+    def as_attrs(self) -> dict:
+        return {"world_size": self.world_size, "train_ranks": self.train_ranks, "reward_ranks": self.reward_ranks,
+                "roles": ["reward" if r in self.reward_ranks else ("colocated" if not self.reward_ranks else "train")
+                          for r in range(self.world_size)],
+                "hosts": self.hosts, "launcher": self.launcher, "devices": self.devices, "backend": self.backend,
+                "slurm_job_id": self.job_id or "", "torch_version": torch.__version__}
+
+
+def roles(world_size: int, reward_ranks: int) -> tuple[list[int], list[int]]:
+    if world_size == 1:
+        return [0], []
+    if reward_ranks >= world_size:
+        raise ConfigError(f"layout.reward_ranks: {reward_ranks} leaves no train rank in a world of {world_size}")
+    n_train = world_size - reward_ranks
+    return list(range(n_train)), list(range(n_train, world_size))
+
+
+def pick_device(cfg: Config, local_rank: int) -> torch.device:
+    want = cfg.layout.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("layout.device: 'cuda' asked for, but no CUDA device is available")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def setup(cfg: Config, info: LaunchInfo):
+    """Initialise torch.distributed; returns (topology, train group, train mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = pick_device(cfg, info.local_rank)
+    backend = cfg.layout.backend if cfg.layout.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    train, reward = roles(info.world_size, cfg.layout.reward_ranks)
+    timeout = datetime.timedelta(seconds=cfg.layout.timeout_s)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
+                            world_size=info.world_size, timeout=timeout, **kwargs)
+    topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,
+                    info.job_id, info.restart_count)
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, (socket.gethostname(), str(device)))
+    topo.hosts = [h for h, _ in everyone]
+    topo.devices = [d for _, d in everyone]
+    train_group = dist.new_group(train, timeout=timeout) if len(train) > 1 else None
+    mesh = DeviceMesh(device.type, torch.tensor(train))
+    return topo, train_group, mesh
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the local spawner (no launcher in the environment) ---------------------------------
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0) -> int:
+    """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
+    fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
+    code of the first rank that failed (128+signal for a signal), else 0."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   HPCNFT_LAUNCHER="local")
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcnft", *argv], env=env))
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    first_failure: tuple[int, int] | None = None
+    deadline = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                code = p.poll()
+                if code not in (None, 0) and first_failure is None:
+                    first_failure = (rank, code)
+                    print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "
+                          "stopping the other ranks", file=sys.stderr, flush=True)
+                    deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.1)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if first_failure is None:
+        return 0
+    _, code = first_failure
+    return 128 - code if code < 0 else code

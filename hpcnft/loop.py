@@ -1,0 +1,215 @@
+"""One iteration end to end, and the run from start (or resume) to finish, on one rank."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hpcnft import __version__, determinism, nft
+from hpcnft.config import Config
+from hpcnft.distributed import Topology
+from hpcnft.prompts import PromptStream, read_prompt_file
+from hpcnft.reward_service import EVAL, ROLLOUT
+from hpcnft.sampler import (PromptEncoder, decode_to_uint8, euler_sample, image_grid, initial_noise,
+                            sigma_grid)
+
+log = logging.getLogger("hpcnft")
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+
+
+def setup_logging(run_dir: str, rank: int) -> None:
+    os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+# -- which samples a rank owns ---------------------------------------------------------
+def owned_range(n: int, topo: Topology) -> range:
+    """Samples are split across train ranks by global index, in contiguous blocks."""
+    per = n // len(topo.train_ranks)
+    i = topo.train_index
+    return range(i * per, (i + 1) * per)
+
+
+def chunks(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i:i + size] for i in range(0, len(indices), size)]
+
+
+def eval_chunks(n_prompts: int, topo: Topology, size: int) -> list[list[int]]:
+    """This rank's eval prompt indices in chunks; every train rank gets the same number of
+    chunks (FSDP2 forwards run in lockstep), padded with -1 for "compute and discard"."""
+    t = len(topo.train_ranks)
+    per = math.ceil(n_prompts / t)
+    mine = list(range(topo.train_index * per, min((topo.train_index + 1) * per, n_prompts)))
+    n_chunks = math.ceil(per / size)
+    mine += [-1] * (n_chunks * size - len(mine))
+    return chunks(mine, size)
+
+
+@dataclass
+class Rollout:
+    x0: torch.Tensor
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+    images: torch.Tensor  # uint8 [n, H, W, 3]
+    rewards: torch.Tensor  # this rank's samples
+    seconds: float
+    wait_s: float
+
+
+class TrainRank:
+    """Everything a train rank holds: models, policy, optimizer, reward client, run file."""
+
+    def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy, trainer):
+        self.cfg, self.topo, self.group, self.mesh = cfg, topo, train_group, mesh
+        self.client, self.pipe, self.policy, self.trainer = reward_client, pipe, policy, trainer
+        self.stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"),
+                                   cfg.data.shuffle, cfg.train.seed)
+        self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+        self.encoder = PromptEncoder(pipe, cfg.rollout.max_sequence_length, topo.device,
+                                     cfg=cfg.rollout.guidance_scale > 1.0)
+        self.sigmas = sigma_grid(pipe.scheduler, cfg.rollout.num_steps)
+        self.eval_sigmas = sigma_grid(pipe.scheduler, cfg.eval.num_steps)
+        vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        self._server_totals = (0.0, 0.0)
+        self.latent_shape = (pipe.transformer.config.in_channels, cfg.rollout.height // vae_factor,
+                             cfg.rollout.width // vae_factor)
+
+    # -- rollout ---------------------------------------------------------------------------
+    def _generate(self, prompts: list[str], sigmas, noise) -> tuple[torch.Tensor, object]:
+        cond = self.encoder(prompts)
+        x0 = euler_sample(self.policy.transformer, noise.to(self.topo.device), sigmas, cond,
+                          self.cfg.rollout.guidance_scale, self.policy.compute_dtype, self.policy.autocast)
+        return x0, cond
+
+    def rollout(self, step: int, prompts: list[str]) -> Rollout:
+        cfg, g = self.cfg, self.cfg.rollout.samples_per_prompt
+        t0 = time.perf_counter()
+        mine = list(owned_range(cfg.samples_per_step, self.topo))
+        x0s, pes, pools, imgs, pending = [], [], [], [], []
+        with self.policy.old_weights():
+            for chunk in chunks(mine, cfg.rollout.batch_size):
+                noise = initial_noise(self.latent_shape, cfg.rollout.seed, step, chunk, "rollout_noise")
+                x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise)
+                images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
+                pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
+                x0s.append(x0.float().cpu())
+                pes.append(cond.prompt_embeds.cpu())
+                pools.append(cond.pooled.cpu())
+                imgs.append(images)
+        t1 = time.perf_counter()
+        rewards = torch.cat([self.client.collect(p) for p in pending])
+        t2 = time.perf_counter()
+        return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs), rewards, t1 - t0, t2 - t1)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """All train ranks' values, in global sample order."""
+        if self.group is None:
+            return local
+        parts = [torch.empty_like(local) for _ in self.topo.train_ranks]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts)
+
+    # -- one iteration ---------------------------------------------------------------------
+    def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
+        from hpcnft.trainer import PairBatch
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        prompts = self.stream.for_step(step, cfg.rollout.prompts_per_step)
+        ro = self.rollout(step, prompts)
+        rewards = self.gather(ro.rewards.to(torch.float32))
+        adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator)
+        r = nft.optimality_r(adv, cfg.nft.adv_clip_max)
+        mine = owned_range(cfg.samples_per_step, self.topo)
+        k = nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction)
+        batch = PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
+                          list(mine), cfg.samples_per_step * k)
+        t_train = time.perf_counter()
+        metrics = self.trainer.step(batch, self.sigmas, step)
+        decay = nft.ema_decay(step, cfg.ema.ramp, cfg.ema.max, cfg.ema.flat_steps, cfg.ema.flat_decay)
+        self.policy.ema_update(decay)
+        t_end = time.perf_counter()
+        metrics.update({f"rollout/reward/{k}": v for k, v in nft.reward_stats(rewards).items()})
+        metrics["ema/decay"] = decay
+        busy, idle = self.client.server_busy_s, self.client.server_idle_s  # the reward rank's totals
+        metrics.update({
+            "perf/rollout_s": ro.seconds, "perf/reward_s": busy - self._server_totals[0],
+            "perf/reward_wait_s": idle - self._server_totals[1], "perf/train_s": t_end - t_train,
+            "perf/iteration_s": t_end - t_start,
+            "perf/images_per_s": cfg.samples_per_step / max(ro.seconds + ro.wait_s, 1e-9),
+        })
+        self._server_totals = (busy, idle)
+        return metrics, ro
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.cfg
+        n = cfg.eval.num_prompts or len(self.eval_prompts)
+        n = min(n, len(self.eval_prompts))
+        pending = []  # (prompt ids, request)
+        with self.policy.old_weights():
+            for chunk in eval_chunks(n, self.topo, cfg.rollout.batch_size):
+                real = [i for i in chunk if i >= 0]
+                ids = [i if i >= 0 else 0 for i in chunk]
+                noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
+                x0, _ = self._generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise)
+                if real:
+                    images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding)
+                    pending.append((real, self.client.submit(EVAL, 0, images, real)))
+        local = [(i, s) for ids, p in pending for i, s in zip(ids, self.client.collect(p).tolist())]
+        everyone = [None] * len(self.topo.train_ranks) if self.group is not None else None
+        if self.group is not None:
+            dist.all_gather_object(everyone, local, group=self.group)
+            local = [x for part in everyone for x in part]
+        scores = torch.tensor([s for _, s in sorted(local)], dtype=torch.float64)
+        return {"eval/pickscore_mean": scores.mean().item(), "eval/pickscore_std": scores.std(unbiased=False).item()}
+
+
+def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, first_step: int) -> str:
+    done = step - first_step + 1
+    eta = elapsed / done * (steps - step)
+    return (f"step {step}/{steps} | reward {m['rollout/reward/raw_mean']:.4f} ± {m['rollout/reward/raw_std']:.4f} "
+            f"| nft_loss {m['train/nft_loss']:.4f} | grad_norm {m['train/grad_norm']:.3e} "
+            f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+
+
+def save_grid(run_dir: str, step: int, images: torch.Tensor, n: int) -> str:
+    from PIL import Image
+
+    os.makedirs(os.path.join(run_dir, "samples"), mode=0o700, exist_ok=True)
+    path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
+    Image.fromarray(image_grid(images[:n].numpy())).save(path)
+    return path
+
+
+def fail_line(topo: Topology, e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {text[0] if text else ''}"
+
+
+def print_err(line: str) -> None:
+    print(f"hpcnft: {line}", file=sys.stderr, flush=True)
+
+
+def log_exception(topo: Topology, e: BaseException) -> None:
+    log.error("%s\n%s", fail_line(topo, e), traceback.format_exc())
+
+
+def hpcnft_version() -> str:
+    return __version__
+
+
+def seed_everything(cfg: Config) -> None:
+    determinism.seed_globals(cfg.train.seed)

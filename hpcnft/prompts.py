@@ -1,0 +1,60 @@
+"""Prompt files and which prompts a step uses.
+
+Step k (1-based) takes prompts (k-1)*P .. k*P-1 of an endless stream over the file: in file
+order, or, with shuffle, in a seeded permutation per pass. The cursor is a pure function of the
+step, so a resumed run reads exactly the prompts an uninterrupted one would."""
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+import torch
+
+from hpcnft.determinism import stable_hash
+
+
+class PromptFileError(Exception):
+    pass
+
+
+def read_prompt_file(spec: str, key: str) -> list[str]:
+    """A path, or `builtin:NAME` for a file shipped in hpcnft/data; one prompt per line."""
+    if spec.startswith("builtin:"):
+        res = resources.files("hpcnft.data") / spec[len("builtin:"):]
+        if not res.is_file():
+            raise PromptFileError(f"{key}: no built-in prompt file {spec!r}")
+        text = res.read_text(encoding="utf-8")
+    else:
+        if not os.path.isfile(spec):
+            raise PromptFileError(f"{key}: prompt file {spec!r} does not exist")
+        try:
+            with open(spec, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PromptFileError(f"{key}: cannot read prompt file {spec!r} ({e})") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise PromptFileError(f"{key}: prompt file {spec!r} is empty")
+    return prompts
+
+
+class PromptStream:
+    def __init__(self, prompts: list[str], shuffle: bool, seed: int):
+        self.prompts, self.shuffle, self.seed = prompts, shuffle, seed
+        self._perm_cache: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.prompts)))
+        if epoch not in self._perm_cache:
+            g = torch.Generator().manual_seed(stable_hash("prompt_shuffle", self.seed, epoch))
+            self._perm_cache = {epoch: torch.randperm(len(self.prompts), generator=g).tolist()}
+        return self._perm_cache[epoch]
+
+    def at(self, position: int) -> str:
+        epoch, offset = divmod(position, len(self.prompts))
+        return self.prompts[self._order(epoch)[offset]]
+
+    def for_step(self, step: int, per_step: int) -> list[str]:
+        start = (step - 1) * per_step
+        return [self.at(start + j) for j in range(per_step)]

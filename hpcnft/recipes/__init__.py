@@ -1,0 +1,1 @@
+"""Recipes shipped with hpcnft (TOML files read by hpcnft.config)."""

@@ -1,0 +1,236 @@
+"""The reward rank's PickScore service and the train ranks' client, over point-to-point
+collectives (gloo on CPUs, NCCL on GPUs).
+
+A train rank sends each decoded chunk as soon as it exists and keeps generating; the reward
+rank scores chunk j while chunk j+1 is being made. Messages:
+
+  request  header int64[6] = (kind, step, n, H, W, 0), then uint8 images [n, H, W, 3] and
+           int64 sample indices [n]   (kind ROLLOUT or EVAL; DONE and ERROR send the header only,
+           ERROR followed by a uint8[MSG_BYTES] message)
+  reply    header int64[4] = (status, n, busy_us, idle_us), then float32 scores [n] and uint8[MSG_BYTES] message
+
+The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
+travels. Sizes are checked against bounds before anything is allocated.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ROLLOUT, EVAL, DONE, ERROR = 1, 2, 3, 4
+OK, FAILED = 0, 1
+MSG_BYTES = 1024
+HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
+MAX_CHUNK = 4096
+MAX_SIDE = 8192
+
+
+class RewardServiceError(RuntimeError):
+    """The other side of the reward traffic failed or sent something malformed."""
+
+
+def _encode_msg(text: str) -> torch.Tensor:
+    raw = text.encode("utf-8", errors="replace")[:MSG_BYTES]
+    buf = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return buf
+
+
+def _decode_msg(buf: torch.Tensor) -> str:
+    raw = bytes(buf.cpu().tolist())
+    return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def _wait(works, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    for w in works:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            w.wait(timeout=datetime.timedelta(seconds=remaining))
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            if "timed out" in first.lower() or "timeout" in first.lower():
+                raise RewardServiceError(f"timed out after {timeout_s:.0f} s waiting for {what}") from None
+            raise RewardServiceError(f"lost the connection while waiting for {what} ({first})") from None
+
+
+def validate_header(h: list[int]) -> None:
+    kind, _step, n, height, width, _ = h
+    if kind not in (ROLLOUT, EVAL, DONE, ERROR):
+        raise RewardServiceError(f"malformed request: unknown kind {kind}")
+    if kind in (ROLLOUT, EVAL) and not (0 < n <= MAX_CHUNK and 0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+        raise RewardServiceError(f"malformed request: {n} images of {height}x{width} is out of bounds")
+
+
+@dataclass
+class Pending:
+    works: list
+    scores: torch.Tensor
+    header: torch.Tensor
+    msg: torch.Tensor
+    keep_alive: tuple  # send buffers must outlive their isend
+    reward_rank: int
+
+
+class RemoteRewardClient:
+    """Train-rank side: submit chunks without blocking, collect scores later."""
+
+    def __init__(self, reward_rank: int, comm_device: torch.device, timeout_s: float):
+        self.dst, self.dev, self.timeout_s = reward_rank, comm_device, timeout_s
+        self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
+
+    def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]) -> Pending:
+        n, h, w, _ = images.shape
+        header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64, device=self.dev)
+        imgs = images.to(self.dev)
+        idx = torch.tensor(indices, dtype=torch.int64, device=self.dev)
+        works = [dist.isend(header, self.dst, tag=HEADER_TAG), dist.isend(imgs, self.dst, tag=PAYLOAD_TAG),
+                 dist.isend(idx, self.dst, tag=PAYLOAD_TAG)]
+        r_header = torch.zeros(4, dtype=torch.int64, device=self.dev)
+        scores = torch.zeros(n, dtype=torch.float32, device=self.dev)
+        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
+        works += [dist.irecv(t, self.dst, tag=REPLY_TAG) for t in (r_header, scores, msg)]
+        return Pending(works, scores, r_header, msg, (header, imgs, idx), self.dst)
+
+    def collect(self, p: Pending) -> torch.Tensor:
+        _wait(p.works, self.timeout_s, f"scores from reward rank {p.reward_rank}")
+        status = int(p.header[0].item())
+        if status != OK:
+            raise RewardServiceError(f"reward rank {p.reward_rank} failed: {_decode_msg(p.msg)}")
+        self.server_busy_s, self.server_idle_s = p.header[2].item() / 1e6, p.header[3].item() / 1e6
+        return p.scores.cpu()
+
+    def finish(self, step: int = 0) -> None:
+        header = torch.tensor([DONE, step, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
+        _wait([dist.isend(header, self.dst, tag=HEADER_TAG)], self.timeout_s,
+              "the reward rank to take the end message")
+
+    def report_error(self, text: str) -> None:
+        """Best effort: tell the reward rank why this train rank is stopping."""
+        try:
+            header = torch.tensor([ERROR, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
+            _wait([dist.isend(header, self.dst, tag=HEADER_TAG),
+                   dist.isend(_encode_msg(text).to(self.dev), self.dst, tag=PAYLOAD_TAG)], 10.0,
+                  "the reward rank to take the error message")
+        except Exception:  # noqa: BLE001 - the peer may be gone already
+            pass
+
+
+class LocalRewardClient:
+    """World 1 (colocated): score in the training process, same interface."""
+
+    def __init__(self, score_fn):
+        self.score_fn = score_fn
+        self.server_busy_s = self.server_idle_s = 0.0
+
+    def _timed(self, *args) -> torch.Tensor:
+        t0 = time.perf_counter()
+        scores = self.score_fn(*args)
+        self.server_busy_s += time.perf_counter() - t0
+        return scores
+
+    def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]):
+        return self._timed(kind, step, images, indices)
+
+    def collect(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores
+
+    def finish(self, step: int = 0) -> None:
+        pass
+
+    def report_error(self, text: str) -> None:
+        pass
+
+
+
+
+class HeaderReceiver:
+    """The next request header from any client. gloo can receive from any source (by tag);
+    NCCL cannot, but its posted irecvs report completion, so they are polled instead."""
+
+    def __init__(self, clients: list[int], device: torch.device, timeout_s: float):
+        self.device, self.timeout_s = device, timeout_s
+        self.polling = dist.get_backend() == "nccl"
+        self.headers = {c: torch.zeros(6, dtype=torch.int64, device=device) for c in clients}
+        self.posted = {c: dist.irecv(self.headers[c], c, tag=HEADER_TAG) for c in clients} if self.polling else {}
+
+    def next(self, active: list[int]) -> tuple[int, torch.Tensor]:
+        if not self.polling:
+            h = torch.zeros(6, dtype=torch.int64)
+            try:  # any source; bounded by the process group's timeout (layout.timeout_s)
+                src = dist.recv(h, None, tag=HEADER_TAG)
+            except RuntimeError as e:
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise RewardServiceError(f"no request from train ranks {active} ({first})") from None
+            return src, h
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for c in active:
+                if self.posted[c].is_completed():
+                    self.posted[c].wait()
+                    return c, self.headers[c].clone()
+            if time.monotonic() > deadline:
+                raise RewardServiceError(f"no request from train ranks {active} for {self.timeout_s:.0f} s")
+            time.sleep(0.0005)
+
+    def rearm(self, client: int) -> None:
+        if self.polling:
+            self.posted[client] = dist.irecv(self.headers[client], client, tag=HEADER_TAG)
+
+    def drop(self, client: int) -> None:
+        self.posted.pop(client, None)
+
+
+def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_s: float, log) -> dict[str, float]:
+    """The reward rank's loop: answer every train rank in `clients` until all said DONE.
+    `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n]`. Returns
+    busy/idle seconds. A train rank's ERROR, or a scoring failure, raises RewardServiceError
+    after the failing side has been told."""
+    receiver = HeaderReceiver(clients, comm_device, idle_timeout_s)
+    active = deque(clients)
+    busy = idle = 0.0
+    last = time.monotonic()
+    while active:
+        ready, header = receiver.next(list(active))
+
+        now = time.monotonic()
+        idle += now - last
+        h = header.cpu().tolist()
+        validate_header(h)
+        kind, step, n, height, width, _ = h
+        if kind == DONE:
+            active.remove(ready)
+            receiver.drop(ready)
+            last = time.monotonic()
+            continue
+        if kind == ERROR:
+            msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=comm_device)
+            dist.recv(msg, ready, tag=PAYLOAD_TAG)
+            raise RewardServiceError(f"train rank {ready} failed: {_decode_msg(msg)}")
+        images = torch.empty((n, height, width, 3), dtype=torch.uint8, device=comm_device)
+        idx = torch.empty(n, dtype=torch.int64, device=comm_device)
+        dist.recv(images, ready, tag=PAYLOAD_TAG)
+        dist.recv(idx, ready, tag=PAYLOAD_TAG)
+        try:
+            scores = score_fn(kind, step, images.cpu(), idx.cpu().tolist()).to(torch.float32)
+            status, text = OK, ""
+        except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
+            scores, status, text = torch.zeros(n), FAILED, f"{type(e).__name__}: {e}"
+        spent = time.monotonic() - now
+        reply = [torch.tensor([status, n, int((busy + spent) * 1e6), int(idle * 1e6)], dtype=torch.int64),
+                 scores, _encode_msg(text)]
+        for t in reply:
+            dist.send(t.to(comm_device), ready, tag=REPLY_TAG)
+        if status != OK:
+            raise RewardServiceError(f"scoring failed: {text}")
+        receiver.rearm(ready)
+        active.remove(ready)  # round-robin between clients that are ready together
+        active.append(ready)
+        last = time.monotonic()
+        busy += last - now
+    return {"busy_s": busy, "idle_s": idle}

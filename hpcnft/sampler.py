@@ -1,0 +1,121 @@
+"""Rollout sampling: flow-matching Euler ODE on the scheduler's sigma grid, seeded per sample.
+
+The noise of sample i at step k is drawn on the CPU from a generator keyed by
+stable_hash("rollout_noise", seed, k, i), so it does not depend on which rank or batch makes it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hpcnft.determinism import stable_hash
+
+
+def sigma_grid(scheduler, num_steps: int) -> torch.Tensor:
+    """The scheduler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU).
+    A fresh scheduler from the same config keeps the shared one's state untouched."""
+    sched = type(scheduler).from_config(scheduler.config)
+    sched.set_timesteps(num_steps)
+    return sched.sigmas.detach().to(torch.float32).cpu().clone()
+
+
+def initial_noise(shape: tuple[int, ...], seed: int, step: int, indices: list[int], purpose: str) -> torch.Tensor:
+    gens = [torch.Generator().manual_seed(stable_hash(purpose, seed, step, i)) for i in indices]
+    return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in gens])
+
+
+@dataclass
+class Conditioning:
+    """SD3's positive conditioning for a batch (what the trainer reuses) and, with CFG, the negative."""
+    prompt_embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_prompt_embeds: torch.Tensor | None = None
+    neg_pooled: torch.Tensor | None = None
+
+
+class PromptEncoder:
+    """Encodes prompts one at a time (so batching never changes an embedding) and caches them."""
+
+    def __init__(self, pipe, max_sequence_length: int, device: torch.device, cfg: bool, cache_size: int = 4096):
+        self.pipe, self.msl, self.device, self.cfg = pipe, max_sequence_length, device, cfg
+        self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache_size = cache_size
+
+    @torch.no_grad()
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if prompt not in self.cache:
+            if len(self.cache) >= self.cache_size:
+                self.cache.pop(next(iter(self.cache)))
+            pe, _, pooled, _ = self.pipe.encode_prompt(prompt, None, None, device=self.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.msl)
+            self.cache[prompt] = (pe, pooled)
+        return self.cache[prompt]
+
+    def __call__(self, prompts: list[str]) -> Conditioning:
+        pos = [self._encode_one(p) for p in prompts]
+        cond = Conditioning(torch.cat([p[0] for p in pos]), torch.cat([p[1] for p in pos]))
+        if self.cfg:
+            neg_pe, neg_pooled = self._encode_one("")
+            cond.neg_prompt_embeds = neg_pe.expand_as(cond.prompt_embeds)
+            cond.neg_pooled = neg_pooled.expand_as(cond.pooled)
+        return cond
+
+
+def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
+             pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma."""
+    return transformer(hidden_states=x.to(dtype), timestep=sigma.to(torch.float32) * 1000.0,
+                       encoder_hidden_states=prompt_embeds.to(dtype), pooled_projections=pooled.to(dtype),
+                       return_dict=False)[0]
+
+
+@torch.no_grad()
+def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning,
+                 guidance_scale: float, dtype: torch.dtype, autocast) -> torch.Tensor:
+    """Deterministic Euler ODE x_{k+1} = x_k + (sigma_{k+1} - sigma_k) v(x_k, sigma_k); returns x0
+    (the final latent, before VAE un-scaling), float32."""
+    x = noise
+    b = x.shape[0]
+    use_cfg = guidance_scale > 1.0
+    for k in range(len(sigmas) - 1):
+        s = sigmas[k].expand(b).to(x.device)
+        with autocast():
+            if use_cfg:
+                v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
+                                 torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
+                                 torch.cat([cond.neg_pooled, cond.pooled]), dtype)
+                v_neg, v_pos = v_all.float().chunk(2)
+                v = v_neg + guidance_scale * (v_pos - v_neg)
+            else:
+                v = velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype).float()
+        x = x + (sigmas[k + 1] - sigmas[k]).to(x.device) * v
+    return x
+
+
+@torch.no_grad()
+def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round") -> torch.Tensor:
+    """VAE decode of SD3 latents to uint8 images [B, H, W, 3] on the CPU."""
+    z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+    img = vae.decode(z, return_dict=False)[0].float()
+    img = (img / 2 + 0.5).clamp(0, 1) * 255.0
+    img = img.round() if rounding == "round" else img.floor()
+    return img.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+
+
+def image_grid(images: np.ndarray, columns: int = 4) -> np.ndarray:
+    """[n, H, W, 3] uint8 -> one grid image (rows of `columns`)."""
+    n, h, w, c = images.shape
+    rows = (n + columns - 1) // columns
+    grid = np.zeros((rows * h, columns * w, c), dtype=np.uint8)
+    for i, im in enumerate(images):
+        r, q = divmod(i, columns)
+        grid[r * h:(r + 1) * h, q * w:(q + 1) * w] = im
+    return grid
+
+
+def null_autocast():
+    return contextlib.nullcontext()

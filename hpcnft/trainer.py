@@ -1,0 +1,286 @@
+"""The trained DiT: LoRA (peft) or full fine-tune under FSDP2, the old policy as an EMA shadow,
+AdamW, gradient clipping, a loss scaler for fp16, and one NFT optimizer step.
+
+The old policy pi_old is a shadow copy of the trainable parameters. It is swapped into the live
+parameters (no gradient) to sample rollouts and to compute v_old, as miles' `--ref-mode ema`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hpcnft import nft
+from hpcnft.config import Config
+from hpcnft.determinism import stable_hash
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (FSDP2 holds them as DTensors)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+class LossScaler:
+    """Dynamic loss scaling with torch.amp.GradScaler's rules (init S, x0.5 on overflow, x2
+    after 2000 clean steps). The overflow decision comes from the global grad norm, which is
+    the same on every rank of the FSDP mesh, so all ranks skip or step together."""
+
+    def __init__(self, init_scale: float, enabled: bool, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = float(init_scale) if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.growth_tracker = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale *= 0.5
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= 2.0
+                self.growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+
+
+@dataclass
+class PairBatch:
+    """The pairs (sample, sigma) this rank trains on in one step, sample-major."""
+    x0: torch.Tensor  # [n_samples, C, H, W] float32
+    prompt_embeds: torch.Tensor  # [n_samples, L, D]
+    pooled: torch.Tensor  # [n_samples, D]
+    adv: torch.Tensor  # [n_samples] float64
+    r: torch.Tensor  # [n_samples] float64
+    sample_ids: list[int]  # global ids (stable across layouts) used to seed sigma order and noise
+    n_global_pairs: int  # pairs of the whole optimizer step over all train ranks
+
+
+class Policy:
+    def __init__(self, cfg: Config, transformer: torch.nn.Module, device: torch.device, mesh):
+        self.cfg, self.device = cfg, device
+        self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
+        self.transformer = transformer
+        self._prepare(mesh)
+        self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
+        self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
+        self.shadow = [_local(p).detach().clone() for p in self.trainable]
+
+    def _prepare(self, mesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        cfg, tr = self.cfg.train, self.transformer
+        if cfg.finetune == "lora":
+            self._add_lora()
+        else:
+            tr.requires_grad_(True)
+        # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
+        if self.compute_dtype != torch.float32:
+            for p in tr.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(self.compute_dtype)
+        if cfg.grad_checkpointing:
+            tr.enable_gradient_checkpointing()
+        tr.to(self.device)
+        # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
+        # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
+        if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
+            for module in tr.modules():
+                if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
+                    fully_shard(module, mesh=mesh)
+        for block in tr.transformer_blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(tr, mesh=mesh)
+
+    def _add_lora(self) -> None:
+        from peft import LoraConfig
+
+        cfg = self.cfg.train
+        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                          target_modules=list(cfg.lora_targets))
+        # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
+        # global state back so nothing else depends on this draw.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stable_hash("lora_init", cfg.seed))
+            self.transformer.add_adapter(lora)
+        for p in self.transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+
+    # -- old policy ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def old_weights(self):
+        """Temporarily put pi_old's weights into the live parameters."""
+        with torch.no_grad():
+            live = [_local(p).detach().clone() for p in self.trainable]
+            for p, s in zip(self.trainable, self.shadow):
+                _local(p).copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(self.trainable, live):
+                    _local(p).copy_(x)
+
+    @contextlib.contextmanager
+    def base_weights(self):
+        """The frozen base model (LoRA adapters off), for the KL reference."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    @torch.no_grad()
+    def ema_update(self, decay: float) -> None:
+        """theta_old <- decay * theta_old + (1 - decay) * theta."""
+        for s, p in zip(self.shadow, self.trainable):
+            s.mul_(decay).add_(_local(p).detach(), alpha=1.0 - decay)
+
+    def autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+
+def train_sigma_pairs(cfg: Config, sample_ids: list[int], step: int) -> list[tuple[int, int]]:
+    """(local sample position, sigma grid index) for every pair, sample-major."""
+    out = []
+    for pos, sid in enumerate(sample_ids):
+        idx = nft.trained_sigma_indices(cfg.rollout.num_steps, cfg.nft.timestep_fraction,
+                                        cfg.nft.timestep_strategy, cfg.nft.shuffle_timesteps, cfg.train.seed,
+                                        stable_hash(step, sid))
+        out += [(pos, j) for j in idx]
+    return out
+
+
+def pair_noise(cfg: Config, step: int, sid: int, sigma_index: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(stable_hash("nft_corrupt", cfg.train.seed, step, sid, sigma_index))
+    return torch.randn(shape, generator=g, dtype=torch.float32)
+
+
+class Trainer:
+    METRIC_SUMS = ("loss", "pos", "neg", "r", "adv", "adv_abs", "t", "kl", "pairs")
+
+    def __init__(self, cfg: Config, policy: Policy, train_group, num_train_ranks: int):
+        self.cfg, self.policy = cfg, policy
+        self.group, self.num_train_ranks = train_group, num_train_ranks
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(policy.trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scaler = LossScaler(cfg.train.grad_scaler_init, enabled=cfg.train.precision == "fp16")
+
+    def _micro_batches(self, pairs: list, size: int):
+        for i in range(0, len(pairs), size):
+            yield pairs[i:i + size]
+
+    def _inputs(self, batch: PairBatch, sigmas: torch.Tensor, step: int, mb: list[tuple[int, int]]):
+        dev = self.policy.device
+        pos = torch.tensor([p for p, _ in mb])
+        sig = sigmas[torch.tensor([j for _, j in mb])]
+        x0 = batch.x0[pos].to(dev)
+        eps = torch.stack([pair_noise(self.cfg, step, batch.sample_ids[p], j, x0.shape[1:]) for p, j in mb]).to(dev)
+        x_sigma = nft.corrupt(x0, sig.to(dev), eps)
+        return pos, sig.to(dev), x0, x_sigma
+
+    def _forward(self, x_sigma, sig, batch: PairBatch, pos):
+        from hpcnft.sampler import velocity
+
+        dev = self.policy.device
+        with self.policy.autocast():
+            return velocity(self.policy.transformer, x_sigma, sig, batch.prompt_embeds[pos].to(dev),
+                            batch.pooled[pos].to(dev), self.policy.compute_dtype)
+
+    def step(self, batch: PairBatch, sigmas: torch.Tensor, step: int) -> dict[str, float]:
+        """One optimizer step over this rank's pairs; returns the step's metrics (all ranks)."""
+        cfg, policy = self.cfg, self.policy
+        pairs = train_sigma_pairs(cfg, batch.sample_ids, step)
+        mbs = [self._inputs(batch, sigmas, step, mb) for mb in self._micro_batches(pairs, cfg.train.micro_batch)]
+        # v_old (and the KL reference) for every micro-batch first, in the same composition as the
+        # trained forward: with pi_old == pi_theta the two branches then agree bit for bit.
+        with torch.no_grad(), policy.old_weights():
+            v_old = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
+        v_ref = None
+        if cfg.nft.kl_beta > 0:
+            with torch.no_grad(), policy.base_weights():
+                v_ref = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(self.METRIC_SUMS), dtype=torch.float64)
+        # Gradient of the global mean over all pairs: FSDP averages over the train ranks.
+        loss_norm = self.num_train_ranks / batch.n_global_pairs
+        used_scale = self.scaler.scale
+        for i, (pos, sig, x0, x_sigma) in enumerate(mbs):
+            v_theta = self._forward(x_sigma, sig, batch, pos)
+            v_pos, v_neg = nft.implicit_policies(v_theta.float(), v_old[i].float(), cfg.nft.beta)
+            l_pos = nft.branch_loss(x_sigma, x0, sig, v_pos, cfg.nft.adaptive_weight)
+            l_neg = nft.branch_loss(x_sigma, x0, sig, v_neg, cfg.nft.adaptive_weight)
+            r = batch.r[pos].to(l_pos.device)
+            per_pair = nft.pair_loss(l_pos, l_neg, r, cfg.nft.adv_clip_max, cfg.nft.beta)
+            total = per_pair
+            kl = torch.zeros_like(per_pair)
+            if v_ref is not None:
+                kl = nft.kl_to_reference(v_theta, v_ref[i])
+                total = per_pair + cfg.nft.kl_beta * kl
+            (total.sum() * loss_norm * used_scale).backward()
+            a = batch.adv[pos]
+            sums += torch.tensor([per_pair.detach().double().sum().item(), l_pos.detach().double().sum().item(),
+                                  l_neg.detach().double().sum().item(), r.double().sum().item(),
+                                  a.sum().item(), a.abs().sum().item(), sig.double().sum().item(),
+                                  kl.detach().double().sum().item(), float(len(pos))], dtype=torch.float64)
+        grad_norm, skipped = self._optimizer_step()
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        return self._metrics(sums, grad_norm, skipped, used_scale)
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        params = self.policy.trainable
+        if self.scaler.enabled:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / self.scaler.scale)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        grad_norm = float(norm.item())
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.scaler.update(found_inf=skipped)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, skipped
+
+    def _metrics(self, sums: torch.Tensor, grad_norm: float, skipped: bool, scale: float) -> dict[str, float]:
+        s = dict(zip(self.METRIC_SUMS, sums.tolist()))
+        n = s["pairs"]
+        k = nft.num_trained_sigmas(self.cfg.rollout.num_steps, self.cfg.nft.timestep_fraction)
+        out = {
+            "train/nft_loss": s["loss"] / n * k,
+            "train/nft_loss_per_pair": s["loss"] / n,
+            "train/nft_pos_loss": s["pos"] / n,
+            "train/nft_neg_loss": s["neg"] / n,
+            "train/nft_r_mean": s["r"] / n,
+            "train/nft_adv_mean": s["adv"] / n,
+            "train/adv_abs_mean": s["adv_abs"] / n,
+            "train/nft_t_mean": s["t"] / n,
+            "train/nft_num_timesteps": float(k),
+            "train/grad_norm": grad_norm,
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/loss_scale": scale,
+            "train/step_skipped": float(skipped),
+        }
+        if self.cfg.nft.kl_beta > 0:
+            out["train/kl_loss"] = s["kl"] / n
+        return out
