@@ -142,6 +142,20 @@ class LoggingConfig:
 
 
 @dataclass
+class PerfConfig:
+    """Speed levers (hpcnft bench measures each; all off by default). None changes the NFT math;
+    some change rounding, and deterministic mode turns some off: see hpcnft/fast.py."""
+    attention_backend: str = "default"  # "default", "flash", "cudnn", "efficient", "math"
+    compile_blocks: bool = False  # regional torch.compile of each DiT block
+    vae_channels_last: bool = False
+    vae_dtype: str = "auto"  # "auto" (as loaded), "fp32", "fp16" or "bf16"
+    pickscore_dtype: str = "fp32"  # "fp32" or "fp16"
+    skip_single_rank_fsdp: bool = False  # one-rank train mesh: plain module, no FSDP2 wrapping
+    merge_lora_nograd: bool = False  # rollout and v_old on W + s*B@A merged into the base weights
+    old_pass_batch: int = 0  # v_old for all of a step's pairs in passes of this size (0: per micro-batch)
+
+
+@dataclass
 class Config:
     steps: int = 100
     run_dir: str = ""
@@ -158,6 +172,7 @@ class Config:
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     preempt: PreemptConfig = field(default_factory=PreemptConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
 
     # -- derived ----------------------------------------------------------------------
     @property
@@ -184,6 +199,9 @@ CHOICES = {
     "layout.backend": ("auto", "gloo", "nccl"),
     "layout.device": ("auto", "cpu", "cuda"),
     "rollout.uint8_rounding": ("round", "truncate"),
+    "perf.attention_backend": ("default", "flash", "cudnn", "efficient", "math"),
+    "perf.pickscore_dtype": ("fp32", "fp16"),
+    "perf.vae_dtype": ("auto", "fp32", "fp16", "bf16"),
 }
 POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.num_steps",
             "rollout.height", "rollout.width", "rollout.max_sequence_length", "rollout.batch_size",

@@ -129,7 +129,7 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0) -> int:
+def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0."""
@@ -155,8 +155,9 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                 code = p.poll()
                 if code not in (None, 0) and first_failure is None:
                     first_failure = (rank, code)
-                    print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "
-                          "stopping the other ranks", file=sys.stderr, flush=True)
+                    if code != preempted_code:
+                        print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "
+                              "stopping the other ranks", file=sys.stderr, flush=True)
                     deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:

@@ -5,9 +5,12 @@ A train rank sends each decoded chunk as soon as it exists and keeps generating;
 rank scores chunk j while chunk j+1 is being made. Messages:
 
   request  header int64[6] = (kind, step, n, H, W, 0), then uint8 images [n, H, W, 3] and
-           int64 sample indices [n]   (kind ROLLOUT or EVAL; DONE and ERROR send the header only,
-           ERROR followed by a uint8[MSG_BYTES] message)
-  reply    header int64[4] = (status, n, busy_us, idle_us), then float32 scores [n] and uint8[MSG_BYTES] message
+           int64 sample indices [n]   (kind ROLLOUT or EVAL). DONE sends the header only, with
+           n = 1 when the run stops for preemption; ERROR adds a uint8[MSG_BYTES] message;
+           SNAPSHOT asks the reward rank to write its RNG state into step's checkpoint.
+  reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n] and
+           uint8[MSG_BYTES] message (SNAPSHOT: header and message only). `preempt` tells the
+           train ranks that the reward rank got the preemption signal.
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
@@ -22,9 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-ROLLOUT, EVAL, DONE, ERROR = 1, 2, 3, 4
+ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
 MSG_BYTES = 1024
+REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
 MAX_CHUNK = 4096
 MAX_SIDE = 8192
@@ -61,7 +65,7 @@ def _wait(works, timeout_s: float, what: str) -> None:
 
 def validate_header(h: list[int]) -> None:
     kind, _step, n, height, width, _ = h
-    if kind not in (ROLLOUT, EVAL, DONE, ERROR):
+    if kind not in (ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT):
         raise RewardServiceError(f"malformed request: unknown kind {kind}")
     if kind in (ROLLOUT, EVAL) and not (0 < n <= MAX_CHUNK and 0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
         raise RewardServiceError(f"malformed request: {n} images of {height}x{width} is out of bounds")
@@ -83,6 +87,7 @@ class RemoteRewardClient:
     def __init__(self, reward_rank: int, comm_device: torch.device, timeout_s: float):
         self.dst, self.dev, self.timeout_s = reward_rank, comm_device, timeout_s
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
+        self.peer_preempt = False
 
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]) -> Pending:
         n, h, w, _ = images.shape
@@ -91,7 +96,7 @@ class RemoteRewardClient:
         idx = torch.tensor(indices, dtype=torch.int64, device=self.dev)
         works = [dist.isend(header, self.dst, tag=HEADER_TAG), dist.isend(imgs, self.dst, tag=PAYLOAD_TAG),
                  dist.isend(idx, self.dst, tag=PAYLOAD_TAG)]
-        r_header = torch.zeros(4, dtype=torch.int64, device=self.dev)
+        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
         scores = torch.zeros(n, dtype=torch.float32, device=self.dev)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
         works += [dist.irecv(t, self.dst, tag=REPLY_TAG) for t in (r_header, scores, msg)]
@@ -103,10 +108,21 @@ class RemoteRewardClient:
         if status != OK:
             raise RewardServiceError(f"reward rank {p.reward_rank} failed: {_decode_msg(p.msg)}")
         self.server_busy_s, self.server_idle_s = p.header[2].item() / 1e6, p.header[3].item() / 1e6
+        self.peer_preempt = self.peer_preempt or bool(p.header[4].item())
         return p.scores.cpu()
 
-    def finish(self, step: int = 0) -> None:
-        header = torch.tensor([DONE, step, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
+    def snapshot(self, step: int) -> None:
+        """Have the reward rank write its RNG state into the checkpoint of `step`."""
+        header = torch.tensor([SNAPSHOT, step, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
+        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
+        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
+        _wait([dist.isend(header, self.dst, tag=HEADER_TAG), dist.irecv(r_header, self.dst, tag=REPLY_TAG),
+               dist.irecv(msg, self.dst, tag=REPLY_TAG)], self.timeout_s, f"reward rank {self.dst}'s snapshot")
+        if int(r_header[0].item()) != OK:
+            raise RewardServiceError(f"reward rank {self.dst} failed: {_decode_msg(msg)}")
+
+    def finish(self, step: int = 0, preempted: bool = False) -> None:
+        header = torch.tensor([DONE, step, int(preempted), 0, 0, 0], dtype=torch.int64, device=self.dev)
         _wait([dist.isend(header, self.dst, tag=HEADER_TAG)], self.timeout_s,
               "the reward rank to take the end message")
 
@@ -127,6 +143,7 @@ class LocalRewardClient:
     def __init__(self, score_fn):
         self.score_fn = score_fn
         self.server_busy_s = self.server_idle_s = 0.0
+        self.peer_preempt = False
 
     def _timed(self, *args) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -140,7 +157,10 @@ class LocalRewardClient:
     def collect(self, scores: torch.Tensor) -> torch.Tensor:
         return scores
 
-    def finish(self, step: int = 0) -> None:
+    def snapshot(self, step: int) -> None:
+        pass
+
+    def finish(self, step: int = 0, preempted: bool = False) -> None:
         pass
 
     def report_error(self, text: str) -> None:
@@ -186,15 +206,24 @@ class HeaderReceiver:
         self.posted.pop(client, None)
 
 
-def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_s: float, log) -> dict[str, float]:
+def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_s: float, log,
+          snapshot_fn=None, preempt_flag=None) -> dict[str, float]:
     """The reward rank's loop: answer every train rank in `clients` until all said DONE.
     `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n]`. Returns
-    busy/idle seconds. A train rank's ERROR, or a scoring failure, raises RewardServiceError
+    busy/idle seconds and whether the train ranks stopped for preemption.
+    `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's ERROR, or a scoring failure, raises RewardServiceError
     after the failing side has been told."""
     receiver = HeaderReceiver(clients, comm_device, idle_timeout_s)
     active = deque(clients)
     busy = idle = 0.0
+    preempted = False
     last = time.monotonic()
+
+    def reply(to: int, status: int, n: int, *tensors) -> None:
+        head = [status, n, int(busy * 1e6), int(idle * 1e6), int(bool(preempt_flag and preempt_flag.requested))]
+        for t in (torch.tensor(head, dtype=torch.int64), *tensors):
+            dist.send(t.to(comm_device), to, tag=REPLY_TAG)
+
     while active:
         ready, header = receiver.next(list(active))
 
@@ -204,6 +233,7 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
         validate_header(h)
         kind, step, n, height, width, _ = h
         if kind == DONE:
+            preempted = preempted or bool(n)
             active.remove(ready)
             receiver.drop(ready)
             last = time.monotonic()
@@ -212,6 +242,16 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
             msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=comm_device)
             dist.recv(msg, ready, tag=PAYLOAD_TAG)
             raise RewardServiceError(f"train rank {ready} failed: {_decode_msg(msg)}")
+        if kind == SNAPSHOT:
+            try:
+                snapshot_fn(step)
+                reply(ready, OK, 0, _encode_msg(""))
+            except Exception as e:  # noqa: BLE001
+                reply(ready, FAILED, 0, _encode_msg(f"{type(e).__name__}: {e}"))
+                raise
+            receiver.rearm(ready)
+            last = time.monotonic()
+            continue
         images = torch.empty((n, height, width, 3), dtype=torch.uint8, device=comm_device)
         idx = torch.empty(n, dtype=torch.int64, device=comm_device)
         dist.recv(images, ready, tag=PAYLOAD_TAG)
@@ -221,16 +261,12 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
             status, text = OK, ""
         except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
             scores, status, text = torch.zeros(n), FAILED, f"{type(e).__name__}: {e}"
-        spent = time.monotonic() - now
-        reply = [torch.tensor([status, n, int((busy + spent) * 1e6), int(idle * 1e6)], dtype=torch.int64),
-                 scores, _encode_msg(text)]
-        for t in reply:
-            dist.send(t.to(comm_device), ready, tag=REPLY_TAG)
+        busy += time.monotonic() - now
+        reply(ready, status, n, scores, _encode_msg(text))
         if status != OK:
             raise RewardServiceError(f"scoring failed: {text}")
         receiver.rearm(ready)
         active.remove(ready)  # round-robin between clients that are ready together
         active.append(ready)
         last = time.monotonic()
-        busy += last - now
-    return {"busy_s": busy, "idle_s": idle}
+    return {"busy_s": busy, "idle_s": idle, "preempted": preempted}

@@ -193,15 +193,16 @@ class RunFileWriter:
         ds.flush()
         self._f.flush()
 
-    def truncate_after(self, step: int) -> int:
-        """Drop metric rows with step > `step`; returns how many rows were dropped."""
+    def truncate_after(self, step: int, inclusive_keys: tuple[str, ...] = ()) -> int:
+        """Drop metric rows with step > `step` (>= `step` for `inclusive_keys`); returns how
+        many rows were dropped."""
         dropped = 0
         for key in ALL_KEYS:
             ds = self._f[f"metrics/{key}"]
             if ds.shape[0] == 0:
                 continue
             steps = ds[:, 0]
-            keep = int(np.searchsorted(steps, step, side="right"))
+            keep = int(np.searchsorted(steps, step, side="left" if key in inclusive_keys else "right"))
             if keep < ds.shape[0]:
                 dropped += ds.shape[0] - keep
                 ds.resize((keep, 2))

@@ -9,12 +9,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcnft import determinism, distributed
-from hpcnft.config import Config, ConfigError
+from hpcnft import checkpoint, determinism, distributed
+from hpcnft.config import Config, ConfigError, differing_keys, flatten
 from hpcnft.launch import LaunchInfo
-from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, TrainRank, fail_line, hpcnft_version, log,
+from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, hpcnft_version, log,
                          log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
 from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
+from hpcnft.preempt import PreemptFlag, requeue
 from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
 from hpcnft.reward import PickScoreScorer
 from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
@@ -61,12 +62,22 @@ def comm_device(topo) -> torch.device:
     return topo.device if topo.backend == "nccl" else torch.device("cpu")
 
 
-def reward_main(cfg: Config, topo) -> int:
+def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
     score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
+    found = checkpoint.latest_usable(cfg.run_dir, log.warning)
+    blob = checkpoint.read_rng(found[1], topo.rank) if found else None
+    if blob is not None:
+        determinism.restore_rng_state(blob)
+
+    def snapshot(step: int) -> None:
+        with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
+            f.write(determinism.capture_rng_state())
+
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), score_fn, comm_device(topo), cfg.layout.timeout_s, log)
+    stats = serve(topo.clients_of(topo.rank), score_fn, comm_device(topo), cfg.layout.timeout_s, log,
+                  snapshot, flag)
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
-    return EXIT_OK
+    return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
 
 
 def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
@@ -88,55 +99,168 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
     return TrainRank(cfg, topo, group, mesh, client, pipe, policy, trainer)
 
 
-def train_main(cfg: Config, topo, group, mesh) -> int:
-    from hpcnft.runfile import RunFileWriter
+def agree(group, value, src: int = 0):
+    """Rank `src`'s value on every train rank."""
+    box = [value]
+    if group is not None:
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
-    tr = build_train_rank(cfg, topo, group, mesh)
-    writer = None
-    try:
+
+def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
+    """The checkpoint to resume from, refusing one whose config differs (ConfigError)."""
+    found = checkpoint.latest_usable(run_dir, warn)
+    if found is None:
+        return None
+    stored = checkpoint.read_json(found[1], "config.json")
+    diff = differing_keys(stored, cfg.to_dict())
+    if diff:
+        flat_old, flat_new = flatten(stored), flatten(cfg.to_dict())
+        detail = ", ".join(f"{k} ({flat_old.get(k)!r} -> {flat_new.get(k)!r})" for k in diff)
+        raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in {detail}")
+    return found
+
+
+class TrainJob:
+    """A train rank's run: resume, iterate, evaluate, checkpoint, stop on preemption."""
+
+    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag):
+        self.cfg, self.topo, self.group, self.flag = cfg, topo, group, flag
+        self.tr = build_train_rank(cfg, topo, group, mesh)
+        self.writer = None
+        self.warnings: list[str] = []
+
+    def _warn(self, text: str) -> None:
+        log.warning(text)
+        self.warnings.append(text)
+
+    def resume(self) -> int:
+        cfg, tr = self.cfg, self.tr
+        found = agree(self.group, check_resumable(cfg, cfg.run_dir, self._warn) if self.topo.rank == 0 else None)
+        if found is None:
+            return 0
+        step, path = found
+        state = checkpoint.load(path, tr.policy, tr.trainer.optimizer, self.group)
+        tr.trainer.scaler.load_state_dict(state.scaler)
+        blob = checkpoint.read_rng(path, self.topo.rank)
+        if blob is not None:
+            determinism.restore_rng_state(blob)
+        self.resumed_from = path
+        return step
+
+    def open_run_file(self, start_step: int) -> None:
+        from hpcnft.runfile import EVAL_KEYS, RunFileWriter
+
+        cfg, topo = self.cfg, self.topo
+        w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), hpcnft_version())
+        w.set_topology(topo.as_attrs())
+        for text in self.warnings:
+            w.event(start_step, "error", text)
+        if start_step:
+            # An eval that ran only because the earlier run ended at start_step is not one an
+            # uninterrupted run would have: it goes, so both runs hold the same rows.
+            periodic = cfg.eval.every and start_step % cfg.eval.every == 0
+            end_only = () if periodic or start_step >= cfg.steps else tuple(EVAL_KEYS)
+            dropped = w.truncate_after(start_step, inclusive_keys=end_only)
+            w.drop_rng_after(start_step)
+            w.event(start_step, "resume", f"resumed from {self.resumed_from}; dropped {dropped} metric rows "
+                                          f"after step {start_step}")
+        else:
+            w.truncate_after(-1)  # a run that died before its first checkpoint starts over
+        w.add_attempt({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start_step,
+                       "slurm_job_id": topo.job_id or "", "restart_count": topo.restart_count,
+                       "launcher": topo.launcher, "world_size": topo.world_size,
+                       "resumed_from": getattr(self, "resumed_from", "")})
+        w.event(start_step, "start", f"{topo.launcher} launch, world {topo.world_size}, train ranks "
+                                     f"{topo.train_ranks}, reward ranks {topo.reward_ranks or 'colocated'}")
+
+    def save_checkpoint(self, step: int) -> None:
+        cfg, tr, topo = self.cfg, self.tr, self.topo
+        tmp = checkpoint.save(cfg.run_dir, step, tr.policy, tr.trainer.optimizer, self.group, topo.rank == 0,
+                              topo.rank, determinism.capture_rng_state())
+        tr.client.snapshot(step)  # the reward rank's RNG state, into the same checkpoint
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        if self.writer:
+            states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
+            self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
+            state = checkpoint.TrainState(step, step * cfg.rollout.prompts_per_step, tr.trainer.scaler.state_dict())
+            final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
+            self.writer.event(step, "checkpoint", final)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def stop_requested(self) -> bool:
+        """Every train rank's flag and the reward rank's, agreed at the end of an iteration."""
+        local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)])
+        if self.group is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(local.item())
+
+    def run(self) -> int:
+        cfg, tr, topo = self.cfg, self.tr, self.topo
+        start_step = self.resume()
         if topo.rank == 0:
-            writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), hpcnft_version())
-            writer.set_topology(topo.as_attrs())
-        start_step = 0
-        if writer:
-            writer.add_attempt({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start_step,
-                                "slurm_job_id": topo.job_id or "", "restart_count": topo.restart_count,
-                                "launcher": topo.launcher, "world_size": topo.world_size})
-            writer.event(start_step, "start", f"{topo.launcher} launch, world {topo.world_size}, "
-                                              f"train ranks {topo.train_ranks}, reward ranks {topo.reward_ranks}")
+            self.open_run_file(start_step)
+        w = self.writer
         if cfg.eval.at_start and start_step == 0:
             m = tr.evaluate()
-            if writer:
-                writer.append_metrics(0, m)
+            if w:
+                w.append_metrics(0, m)
         t_begin = time.perf_counter()
         for step in range(start_step + 1, cfg.steps + 1):
             metrics, ro = tr.iteration(step)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
                 metrics.update(tr.evaluate())
-            if writer:
-                writer.append_metrics(step, metrics)
+            if w:
+                w.append_metrics(step, metrics)
                 every = cfg.logging.sample_grid_every
                 if every and (step % every == 0 or step == 1):
                     save_grid(cfg.run_dir, step, ro.images, cfg.logging.sample_grid_images)
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
                 print(line, flush=True)
                 log.info(line)
+            stop = self.stop_requested()
+            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or \
+                (step == cfg.steps and cfg.checkpoint.at_end)
+            if due or stop:
+                self.save_checkpoint(step)
+            if stop and step < cfg.steps:
+                return self.preempted(step)
         tr.client.finish(cfg.steps)
-        if writer:
-            writer.event(cfg.steps, "done", f"finished {cfg.steps} steps")
+        if w:
+            w.event(cfg.steps, "done", f"finished {cfg.steps} steps")
         return EXIT_OK
+
+    def preempted(self, step: int) -> int:
+        self.tr.client.finish(step, preempted=True)
+        if self.writer:
+            why = self.flag.signal_name or "the reward rank's signal"
+            self.writer.event(step, "signal", f"{why}: checkpointed step {step}, stopping")
+            job = self.topo.job_id
+            if job and self.cfg.preempt.requeue and not os.environ.get("SUBMITIT_EXECUTOR"):
+                self.writer.event(step, "requeue", requeue(job, log))
+        if self.topo.rank == 0:
+            print(f"hpcnft: preempted at step {step}; the same command resumes from its checkpoint", flush=True)
+        return EXIT_PREEMPTED
+
+
+def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
+    job = TrainJob(cfg, topo, group, mesh, flag)
+    try:
+        return job.run()
     except BaseException as e:
-        if writer:
+        if job.writer:
             try:
-                writer.event(0, "error", fail_line(topo, e))
+                job.writer.event(0, "error", fail_line(topo, e))
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
         if not isinstance(e, RewardServiceError):
-            tr.client.report_error(fail_line(topo, e))
+            job.tr.client.report_error(fail_line(topo, e))
         raise
     finally:
-        if writer:
-            writer.close()
+        if job.writer:
+            job.writer.close()
 
 
 def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
@@ -144,13 +268,17 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
     if os.environ.get("HPCNFT_LAUNCHER") == "local":  # ranks started by our own spawner
         info = dataclasses.replace(info, launcher="local")
+    flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
     topo, group, mesh = distributed.setup(cfg, info)
     agree_run_dir(cfg, recipe, topo)
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
     try:
-        code = reward_main(cfg, topo) if topo.role == "reward" else train_main(cfg, topo, group, mesh)
+        if cfg.samples_per_step % len(topo.train_ranks):
+            raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
+                              f"{len(topo.train_ranks)} train ranks")
+        code = reward_main(cfg, topo, flag) if topo.role == "reward" else train_main(cfg, topo, group, mesh, flag)
     except BAD_INPUT as e:
         log_exception(topo, e)
         print_err(fail_line(topo, e))

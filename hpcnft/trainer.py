@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpcnft import nft
+from hpcnft import fast, nft
 from hpcnft.config import Config
 from hpcnft.determinism import stable_hash
 
@@ -75,6 +75,7 @@ class Policy:
         self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
         self.transformer = transformer
         self._prepare(mesh)
+        fast.prepare_policy(self)  # perf levers applied at construction (regional compile)
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
         self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.shadow = [_local(p).detach().clone() for p in self.trainable]
@@ -95,6 +96,8 @@ class Policy:
         if cfg.grad_checkpointing:
             tr.enable_gradient_checkpointing()
         tr.to(self.device)
+        if not fast.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
+            return
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
         # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
         if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
@@ -129,7 +132,8 @@ class Policy:
             for p, s in zip(self.trainable, self.shadow):
                 _local(p).copy_(s)
         try:
-            yield
+            with fast.merged_lora(self):  # perf.merge_lora_nograd (no-grad uses only)
+                yield
         finally:
             with torch.no_grad():
                 for p, x in zip(self.trainable, live):
@@ -152,8 +156,8 @@ class Policy:
 
     def autocast(self):
         if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+            return fast.with_attention(self.cfg, contextlib.nullcontext())
+        return fast.with_attention(self.cfg, torch.autocast(self.device.type, dtype=self.compute_dtype))
 
 
 def train_sigma_pairs(cfg: Config, sample_ids: list[int], step: int) -> list[tuple[int, int]]:
@@ -212,7 +216,10 @@ class Trainer:
         # v_old (and the KL reference) for every micro-batch first, in the same composition as the
         # trained forward: with pi_old == pi_theta the two branches then agree bit for bit.
         with torch.no_grad(), policy.old_weights():
-            v_old = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
+            if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
+                v_old = fast.old_velocities(self, batch, mbs)
+            else:
+                v_old = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
         v_ref = None
         if cfg.nft.kl_beta > 0:
             with torch.no_grad(), policy.base_weights():

@@ -1,0 +1,232 @@
+"""Speed levers for the GPU path (issue 7). Each is a `[perf]` config key, off by default; with
+every lever off the package runs exactly as before (same code path, same numerics).
+
+| key | what it does | numerics |
+|---|---|---|
+| perf.attention_backend | SDPA backend for every DiT forward (and its backward): flash, cudnn, efficient, math | backend-dependent rounding |
+| perf.compile_blocks | regional torch.compile of each DiT transformer block (static shapes, raised recompile limit) | fused kernels round differently |
+| perf.skip_single_rank_fsdp | on a one-rank train mesh, keep the plain module (no FSDP2 wrapping: no per-block and per-LoRA-linear all-gathers) | identical |
+| perf.merge_lora_nograd | the old-policy (no-grad) passes, rollout and v_old, run on W + s·B·A merged into the half-precision base weights, adapters off; the base weights are restored bit for bit afterwards | one fp16 rounding of W + ΔW instead of two matmuls |
+| perf.old_pass_batch | v_old for all of a step's pairs in batches of this size (0: per micro-batch, as before) | GEMM batch size changes rounding |
+| perf.vae_dtype | VAE decode in fp16/bf16 instead of the loaded fp32 (helper: `prepare_vae`) | half-precision decode |
+| perf.vae_channels_last | VAE decode in channels-last memory format (helper: `prepare_vae`) | conv algorithm choice |
+| perf.pickscore_dtype | PickScore towers in fp16, embeddings and the score in fp32 (helper: `prepare_scorer`) | fp16 towers |
+
+Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
+(skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
+pickscore_dtype)
+and turns off `compile_blocks` (Inductor autotunes reduction configs by timing, so the kernel,
+and with it the summation order, may differ between runs) and `attention_backend` (PyTorch then
+selects the SDPA kernel under its own deterministic-algorithm rules): see `effective`.
+
+`FAST` is the combination `hpcnft bench` measures as "hpcnft fast"; `hpcnft bench --shapes
+sd35m` prints what each lever gives alone and together.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+# The combined set: config overrides (as `--set` would give them).
+FAST = {
+    "perf.compile_blocks": True,
+    "perf.skip_single_rank_fsdp": True,
+    "perf.merge_lora_nograd": True,
+    "perf.old_pass_batch": 16,
+    "perf.vae_channels_last": True,
+    "perf.vae_dtype": "fp16",
+    "perf.pickscore_dtype": "fp16",
+    "rollout.batch_size": 16,
+    "train.micro_batch": 16,
+    "train.grad_checkpointing": False,
+}
+CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend")
+DETERMINISM_OFF = ("compile_blocks", "attention_backend")
+
+_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+             "math": "MATH"}
+
+
+def effective(cfg):
+    """The perf settings in force: `cfg.perf` with the levers deterministic mode excludes off."""
+    perf = cfg.perf
+    if getattr(cfg, "determinism", None) is not None and cfg.determinism.enabled:
+        perf = dataclasses.replace(perf, compile_blocks=False, attention_backend="default")
+    return perf
+
+
+# -- attention backend -------------------------------------------------------------------
+def attention_context(cfg):
+    """sdpa_kernel for perf.attention_backend (a null context for "default")."""
+    name = effective(cfg).attention_backend
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, _BACKENDS[name])])
+
+
+def with_attention(cfg, ctx):
+    """`ctx` (the policy's autocast) plus the attention backend, when one is set."""
+    if effective(cfg).attention_backend == "default":
+        return ctx
+    stack = contextlib.ExitStack()
+    stack.enter_context(ctx)
+    stack.enter_context(attention_context(cfg))
+    return stack
+
+
+# -- FSDP on one rank --------------------------------------------------------------------
+def use_fsdp(cfg, mesh) -> bool:
+    """False when perf.skip_single_rank_fsdp and the train mesh has one rank."""
+    return not (cfg.perf.skip_single_rank_fsdp and mesh is not None and mesh.size() == 1)
+
+
+# -- regional compile ----------------------------------------------------------------------
+def _raise_recompile_limits(limit: int = 64) -> None:
+    import torch._dynamo
+
+    c = torch._dynamo.config
+    # Blocks with and without attn2, the last (context_pre_only) block, grad and no-grad, merged
+    # and LoRA forwards, and each batch size are separate graphs of the same code object.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(c, name):
+            setattr(c, name, max(int(getattr(c, name)), limit))
+    if hasattr(c, "accumulated_recompile_limit"):
+        c.accumulated_recompile_limit = max(int(c.accumulated_recompile_limit), 16 * limit)
+
+
+def compile_blocks(transformer) -> None:
+    """Regional torch.compile: each DiT block compiled on its own (static shapes), the rest eager."""
+    if getattr(transformer, "_hpcnft_compiled", False):
+        return
+    _raise_recompile_limits()
+    for block in transformer.transformer_blocks:
+        block.compile(dynamic=False)
+    transformer._hpcnft_compiled = True
+
+
+def prepare_policy(policy) -> None:
+    """Construction-time levers of a Policy (called at the end of Policy.__init__)."""
+    perf = effective(policy.cfg)
+    if perf.compile_blocks and policy.device.type == "cuda":
+        compile_blocks(policy.transformer)
+
+
+# -- merged LoRA for no-grad passes -------------------------------------------------------------
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local_rows(delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The rows of a full [out, in] delta that this rank holds of `weight` (FSDP2: Shard(0))."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor):
+        return delta
+    (placement,) = weight.placements
+    if not isinstance(placement, Shard) or placement.dim != 0:
+        raise NotImplementedError(f"perf.merge_lora_nograd: unsupported placement {placement}")
+    mesh = weight.device_mesh
+    return torch.chunk(delta, mesh.size(), dim=0)[mesh.get_local_rank()]
+
+
+def lora_layers(module):
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+@contextlib.contextmanager
+def merged_lora(policy):
+    """While inside: the base weights of every LoRA linear hold W + scaling * B @ A (computed in
+    fp32, rounded once to the base dtype) and the adapters are off, so a forward is the plain
+    base model (no rank-r side matmuls). On exit the saved base weights are copied back (bit
+    exact) and the adapters are on again. For no-grad use (rollout, v_old)."""
+    if not (effective(policy.cfg).merge_lora_nograd and policy.cfg.train.finetune == "lora"):
+        yield
+        return
+    from hpcnft.trainer import _local
+
+    tr = policy.transformer
+    saved = []
+    try:
+        with torch.no_grad():
+            for layer in lora_layers(tr):
+                weight = layer.get_base_layer().weight
+                local = _local(weight)
+                delta = torch.zeros(weight.shape, dtype=torch.float32, device=local.device)
+                for name in layer.active_adapters:
+                    if name not in layer.lora_A:
+                        continue
+                    a, b = _full(layer.lora_A[name].weight), _full(layer.lora_B[name].weight)
+                    d = b.float() @ a.float()
+                    delta += (d.T if layer.fan_in_fan_out else d) * layer.scaling[name]
+                saved.append((local, local.clone()))
+                local.copy_((local.float() + _local_rows(delta, weight)).to(local.dtype))
+        tr.disable_adapters()
+        yield
+    finally:
+        if saved:
+            tr.enable_adapters()
+        with torch.no_grad():
+            for local, orig in saved:
+                local.copy_(orig)
+
+
+# -- batched v_old --------------------------------------------------------------------------------
+def old_velocities(trainer, batch, mbs) -> list[torch.Tensor]:
+    """v_old for every micro-batch, computed in passes of perf.old_pass_batch pairs over the
+    concatenated micro-batches, then split back into the micro-batch composition."""
+    size = int(trainer.cfg.perf.old_pass_batch)
+    pos = torch.cat([m[0] for m in mbs])
+    sig = torch.cat([m[1] for m in mbs])
+    x_sigma = torch.cat([m[3] for m in mbs])
+    outs = [trainer._forward(x_sigma[i:i + size], sig[i:i + size], batch, pos[i:i + size])
+            for i in range(0, len(pos), size)]
+    return list(torch.cat(outs).split([len(m[0]) for m in mbs]))
+
+
+# -- VAE and PickScore ------------------------------------------------------------------------
+VAE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def prepare_vae(vae, cfg):
+    """perf.vae_dtype (decode_to_uint8 casts the latents to the VAE's dtype) and channels-last
+    convolutions (NHWC, the tensor cores' native layout)."""
+    if cfg.perf.vae_dtype != "auto":
+        vae.to(VAE_DTYPES[cfg.perf.vae_dtype])
+    if cfg.perf.vae_channels_last:
+        vae.to(memory_format=torch.channels_last)
+    return vae
+
+
+class HalfPickScore:
+    """A CLIPModel in half precision behind the three members PickScoreScorer uses: pixel
+    values are cast in, embeddings come out in fp32, and logit_scale stays fp32."""
+
+    def __init__(self, model, dtype=torch.float16):
+        self.logit_scale = model.logit_scale.detach().float().clone()
+        self.model = model.to(dtype)
+        self.dtype = dtype
+
+    @staticmethod
+    def _fp32(out) -> torch.Tensor:
+        return (out if isinstance(out, torch.Tensor) else out.pooler_output).float()
+
+    def get_image_features(self, pixel_values, **kw):
+        return self._fp32(self.model.get_image_features(pixel_values=pixel_values.to(self.dtype), **kw))
+
+    def get_text_features(self, **kw):
+        return self._fp32(self.model.get_text_features(**kw))
+
+
+def prepare_scorer(scorer, cfg):
+    """perf.pickscore_dtype = fp16: the scorer's model in half precision (PickScoreScorer)."""
+    if cfg.perf.pickscore_dtype == "fp16" and not isinstance(scorer.model, HalfPickScore):
+        scorer.model = HalfPickScore(scorer.model, torch.float16)
+    return scorer

@@ -1,0 +1,134 @@
+"""`hpcnft run` with bad input: exit 2, one line on stderr naming the problem, no traceback, and
+nothing already in the run dir touched (architecture.md §2: "non-zero with one clear line").
+
+Every case runs the real command in a fresh interpreter, with the launcher variables of the
+environment removed so that `run` takes its local-spawner path (where the preflight lives).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "TORCHELASTIC_")
+LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HPCNFT_LAUNCHER",
+                 "SUBMITIT_EXECUTOR"}
+SENTINEL = b"pre-existing run dir content \x00\xff\n"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
+    # should a case wrongly get past the checks, the tiny models land here, not in ~/.cache
+    env["HPCNFT_CACHE"] = str(tmp_path / "cache")
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            full = Path(dirpath, name)
+            st = full.lstat()
+            out[str(full.relative_to(root))] = (st.st_mode, full.read_bytes() if full.is_file() else None)
+    return out
+
+
+def _case_missing_model_folder(tmp):
+    return ["--set", "models.sd3_dir=/nonexistent", "--set", "models.pickscore_dir=/nonexistent"], \
+        ["models.sd3_dir", "/nonexistent"]
+
+
+def _case_incomplete_model_folder(tmp):
+    d = tmp / "models" / "sd3"
+    d.mkdir(parents=True)
+    (d / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    return ["--set", f"models.sd3_dir={d}", "--set", f"models.pickscore_dir={d}"], \
+        ["models.sd3_dir", str(d), "transformer/config.json"]
+
+
+def _case_missing_prompt_file(tmp):
+    p = tmp / "prompts" / "absent.txt"
+    return ["--set", f"data.train_prompts={p}"], ["data.train_prompts", str(p)]
+
+
+def _case_empty_prompt_file(tmp):
+    p = tmp / "blank.txt"
+    p.write_text("   \n\n\t\n")
+    return ["--set", f"data.eval_prompts={p}"], ["data.eval_prompts", str(p), "empty"]
+
+
+def _case_unknown_recipe(tmp):
+    return ["no_such_recipe"], ["no_such_recipe", "tiny", "sd35m_pickscore"]
+
+
+def _case_unknown_config_key(tmp):
+    return ["--set", "optim.lrr=1e-3"], ["optim.lrr"]
+
+
+def _case_wrong_type(tmp):
+    # a bare word parses as a string, which is a type error for a float key
+    return ["--set", "optim.lr=abc"], ["optim.lr", "abc"]
+
+
+def _case_out_of_range(tmp):
+    return ["--set", "nft.timestep_fraction=1.5"], ["nft.timestep_fraction", "1.5"]
+
+
+CASES = {
+    "missing model folder": _case_missing_model_folder,
+    "incomplete model folder": _case_incomplete_model_folder,
+    "missing prompt file": _case_missing_prompt_file,
+    "empty prompt file": _case_empty_prompt_file,
+    "unknown recipe": _case_unknown_recipe,
+    "unknown config key": _case_unknown_config_key,
+    "wrong type": _case_wrong_type,
+    "out of range": _case_out_of_range,
+}
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hpcnft", "run", *args], capture_output=True, text=True,
+                          timeout=120, env=_env(tmp_path), cwd=tmp_path)
+
+
+def _assert_one_line_exit_2(proc: subprocess.CompletedProcess, names: list[str]) -> None:
+    out = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 2, out
+    assert "Traceback" not in proc.stdout and "Traceback" not in proc.stderr, out
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "sentinel.bin").write_bytes(SENTINEL)
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "old.log").write_text("an earlier attempt\n")
+    before = _snapshot(run_dir)
+    args, names = CASES[case](tmp_path)
+    proc = _run([*args, "--run-dir", str(run_dir)], tmp_path)
+    _assert_one_line_exit_2(proc, names)
+    assert _snapshot(run_dir) == before
+    assert not (tmp_path / "cache").exists()  # nothing got as far as building models
+
+
+def test_run_dir_that_cannot_be_created(tmp_path):
+    # Tests run as root, and root ignores permission bits, so `chmod 500` on a parent would not
+    # stop it. A path below a regular file fails for everyone (ENOTDIR), root included.
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_bytes(SENTINEL)
+    before = _snapshot(tmp_path)
+    run_dir = blocker / "run"
+    proc = _run(["--run-dir", str(run_dir)], tmp_path)
+    _assert_one_line_exit_2(proc, [str(run_dir)])
+    assert blocker.read_bytes() == SENTINEL
+    assert _snapshot(tmp_path) == before

@@ -1,0 +1,177 @@
+"""hpcnft.config: recipes, --set parsing, refusals (architecture.md §2, nft_spec.md §5)."""
+from __future__ import annotations
+
+import pytest
+
+from hpcnft.config import ConfigError, differing_keys, load_config, parse_set, recipe_names
+
+ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+def test_builtin_recipes_load():
+    assert {"tiny", "sd35m_pickscore"} <= set(recipe_names())
+    tiny = load_config("tiny")
+    assert tiny.rollout.height == 64 and tiny.train.precision == "fp32"  # the CPU recipe
+    load_config("sd35m_pickscore")
+
+
+def test_sd35m_pickscore_matches_the_miles_column():
+    c = load_config("sd35m_pickscore")
+    r, n, t, o, e = c.rollout, c.nft, c.train, c.optim, c.ema
+    assert (r.prompts_per_step, r.samples_per_prompt, c.samples_per_step) == (8, 8, 64)
+    assert t.micro_batch == 4
+    assert o.lr == 3e-4 and o.weight_decay == 1e-4 and o.grad_clip == 1.0
+    assert (o.beta1, o.beta2, o.eps) == (0.9, 0.999, 1e-8)
+    assert t.finetune == "lora" and t.lora_rank == 32 and t.lora_alpha == 64
+    assert sorted(t.lora_targets) == sorted(ATTENTION_PROJECTIONS) and len(t.lora_targets) == 8
+    assert n.beta == 1.0 and n.adv_clip_max == 5.0 and n.timestep_fraction == 0.99
+    assert n.timestep_strategy == "first" and n.shuffle_timesteps is True and n.adaptive_weight is True
+    assert n.std_estimator == "unbiased" and n.kl_beta == 0.0
+    assert r.num_steps == 10 and r.guidance_scale == 1.0 and (r.height, r.width) == (512, 512)
+    assert e.ramp == 0.001 and e.max == 0.5 and e.flat_steps == 0
+    assert t.precision == "fp16" and t.grad_scaler_init == 65536.0
+    assert t.grad_checkpointing is True
+    assert t.seed == 1234 and r.seed == 42
+    assert c.eval.every == 30 and c.eval.num_steps == 50 and c.checkpoint.every == 20
+    assert c.steps == 100
+
+
+# ---------------------------------------------------------------------------------------------
+# --set parsing
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("item, key, value, typ", [
+    ("steps=7", "steps", 7, int),
+    ("optim.lr=1e-3", "optim.lr", 1e-3, float),
+    ("optim.lr=0.5", "optim.lr", 0.5, float),
+    ("data.shuffle=true", "data.shuffle", True, bool),
+    ("data.shuffle=false", "data.shuffle", False, bool),
+    ("train.finetune=full", "train.finetune", "full", str),
+    ('train.finetune="full"', "train.finetune", "full", str),
+    ("train.finetune='lora'", "train.finetune", "lora", str),
+    ("models.sd3_dir=/a/b c", "models.sd3_dir", "/a/b c", str),
+    ("x.y=a=b", "x.y", "a=b", str),
+    ('train.lora_targets=["attn.to_q", "attn.to_k"]', "train.lora_targets", ["attn.to_q", "attn.to_k"], list),
+    (" steps =3", "steps", 3, int),
+])
+def test_parse_set(item, key, value, typ):
+    k, v = parse_set(item)
+    assert k == key and v == value and type(v) is typ
+
+
+def test_parse_set_needs_an_equals_sign():
+    with pytest.raises(ConfigError, match="optim.lr"):
+        parse_set("optim.lr")
+
+
+def test_overrides_reach_the_config():
+    c = load_config("tiny", ["optim.lr=1e-3", "train.finetune=full", "data.shuffle=true", "steps=3",
+                             'train.lora_targets=["attn.to_q"]', "optim.grad_clip=2", 'models.sd3_dir="/m"'])
+    assert c.optim.lr == 1e-3 and c.train.finetune == "full" and c.data.shuffle is True and c.steps == 3
+    assert c.train.lora_targets == ["attn.to_q"]
+    assert c.optim.grad_clip == 2.0 and isinstance(c.optim.grad_clip, float)  # int accepted for a float
+    assert c.models.sd3_dir == "/m"
+
+
+def test_steps_and_run_dir_arguments():
+    c = load_config("tiny", steps=4, run_dir="/tmp/x")
+    assert c.steps == 4 and c.run_dir == "/tmp/x"
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals, each naming the key
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("item, names", [
+    ("optim.lrr=1", ["optim.lrr"]),
+    ("nope.x=1", ["nope"]),
+    ("nope=1", ["nope"]),
+    ("rollout.nope.deeper=1", ["rollout.nope"]),
+])
+def test_unknown_key_is_refused_naming_it(item, names):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [item])
+    msg = str(e.value)
+    assert "unknown" in msg
+    for n in names:
+        assert n in msg
+
+
+@pytest.mark.parametrize("item, key", [
+    ("optim.lr=abc", "optim.lr"),  # bare string where a number belongs
+    ("optim.lr=true", "optim.lr"),
+    ("steps=1.5", "steps"),
+    ("steps=true", "steps"),
+    ("rollout.seed=1e3", "rollout.seed"),
+    ("data.shuffle=1", "data.shuffle"),
+    ("data.shuffle=yes", "data.shuffle"),
+    ("train.finetune=3", "train.finetune"),
+    ("train.lora_targets=attn.to_q", "train.lora_targets"),
+    ("train.lora_targets=[1, 2]", "train.lora_targets"),
+    ("optim=3", "optim"),
+])
+def test_wrong_type_is_refused_naming_the_key(item, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny", [item])
+
+
+@pytest.mark.parametrize("items, key", [
+    (["optim.lr=-3e-4"], "optim.lr"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.lr=nan"], "optim.lr"),
+    (["optim.weight_decay=-1e-4"], "optim.weight_decay"),
+    (["nft.timestep_fraction=1.5"], "nft.timestep_fraction"),
+    (["nft.timestep_fraction=0.05"], "nft.timestep_fraction"),  # int(10 * 0.05) = 0 sigmas
+    (["rollout.height=500"], "rollout.height"),
+    (["rollout.width=520"], "rollout.width"),
+    (["rollout.batch_size=17"], "rollout.batch_size"),  # tiny: 4 x 4 = 16 samples per step
+    (["rollout.prompts_per_step=2", "rollout.batch_size=9"], "rollout.batch_size"),
+    (["ema.max=1.5"], "ema.max"),
+    (["steps=0"], "steps"),
+    (["train.precision=fp8"], "train.precision"),
+    (["nft.std_estimator=biased"], "nft.std_estimator"),
+    (["nft.timestep_strategy=last"], "nft.timestep_strategy"),
+])
+def test_out_of_range_is_refused_naming_the_key(items, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("tiny", items)
+
+
+def test_batch_size_equal_to_samples_per_step_is_fine():
+    assert load_config("tiny", ["rollout.batch_size=16"]).rollout.batch_size == 16
+    assert load_config("tiny", ["rollout.height=80"]).rollout.height == 80  # 5 * 16
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ConfigError) as e:
+        load_config("no_such_recipe")
+    msg = str(e.value)
+    assert "no_such_recipe" in msg and "tiny" in msg and "sd35m_pickscore" in msg
+
+
+def test_a_toml_file_is_a_recipe(tmp_path):
+    p = tmp_path / "mine.toml"
+    p.write_text('steps = 3\n[optim]\nlr = 1e-3\n[rollout]\nheight = 32\nwidth = 48\nbatch_size = 2\n')
+    c = load_config(str(p), ["optim.weight_decay=0"])
+    assert c.steps == 3 and c.optim.lr == 1e-3 and (c.rollout.height, c.rollout.width) == (32, 48)
+    assert c.optim.weight_decay == 0.0
+    assert c.optim.grad_clip == 1.0  # defaults fill the rest
+
+
+def test_a_toml_file_with_bad_content_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\nlr = ")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[optim]\nlrr = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"optim\.lrr"):
+        load_config(str(unknown))
+    with pytest.raises(ConfigError, match="missing.toml"):
+        load_config(str(tmp_path / "missing.toml"))
+
+
+def test_differing_keys_ignores_run_length_but_reports_the_rest():
+    a = load_config("tiny").to_dict()
+    assert differing_keys(a, load_config("tiny", ["steps=99"]).to_dict()) == []
+    assert differing_keys(a, load_config("tiny", ["steps=99", "optim.lr=1e-3"]).to_dict()) == ["optim.lr"]
+    assert differing_keys(a, load_config("tiny", ["checkpoint.every=1", "nft.beta=0.5"]).to_dict()) == ["nft.beta"]

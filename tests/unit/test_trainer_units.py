@@ -1,0 +1,127 @@
+"""Pieces of hpcnft.trainer that need no model: the fp16 loss scaler and the (sample, sigma)
+pairs of a step (architecture.md §4-5, nft_spec.md §1.4, §5)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcnft.config import load_config
+from hpcnft.trainer import LossScaler, pair_noise, train_sigma_pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# LossScaler: torch.amp.GradScaler's rules, init 65536
+# ---------------------------------------------------------------------------------------------
+def test_loss_scaler_initial_scale():
+    assert LossScaler(65536.0, enabled=True).scale == 65536.0
+    assert LossScaler(65536.0, enabled=True).growth_tracker == 0
+
+
+def test_overflow_halves_and_resets_the_growth_tracker():
+    s = LossScaler(65536.0, enabled=True)
+    for _ in range(5):
+        s.update(found_inf=False)
+    assert s.growth_tracker == 5 and s.scale == 65536.0
+    s.update(found_inf=True)
+    assert s.scale == 32768.0 and s.growth_tracker == 0
+    s.update(found_inf=True)
+    assert s.scale == 16384.0 and s.growth_tracker == 0
+
+
+def test_2000_clean_steps_double_the_scale():
+    s = LossScaler(65536.0, enabled=True)
+    for _ in range(1999):
+        s.update(found_inf=False)
+    assert s.scale == 65536.0 and s.growth_tracker == 1999
+    s.update(found_inf=False)
+    assert s.scale == 131072.0 and s.growth_tracker == 0
+    # an overflow in the middle restarts the count
+    s.update(found_inf=True)  # 65536
+    for _ in range(1000):
+        s.update(found_inf=False)
+    s.update(found_inf=True)  # 32768, tracker back to 0
+    for _ in range(1999):
+        s.update(found_inf=False)
+    assert s.scale == 32768.0
+    s.update(found_inf=False)
+    assert s.scale == 65536.0
+
+
+def test_disabled_scaler_stays_at_one():
+    s = LossScaler(65536.0, enabled=False)
+    assert s.scale == 1.0
+    for found_inf in [True] * 3 + [False] * 2500:
+        s.update(found_inf=found_inf)
+    assert s.scale == 1.0
+
+
+def test_loss_scaler_state_dict_round_trip():
+    a = LossScaler(65536.0, enabled=True)
+    a.update(found_inf=True)
+    for _ in range(1234):
+        a.update(found_inf=False)
+    state = a.state_dict()
+    b = LossScaler(65536.0, enabled=True)
+    b.load_state_dict(state)
+    assert (b.scale, b.growth_tracker) == (32768.0, 1234) == (a.scale, a.growth_tracker)
+    for _ in range(766):  # both reach the 2000th clean step together
+        a.update(found_inf=False)
+        b.update(found_inf=False)
+    assert a.scale == b.scale == 65536.0 and a.growth_tracker == b.growth_tracker == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# train_sigma_pairs
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("tiny")  # 10 rollout steps, fraction 0.99 -> K = 9, strategy "first"
+
+
+def test_k_pairs_per_sample_sample_major(cfg):
+    ids = [3, 17, 40]
+    pairs = train_sigma_pairs(cfg, ids, step=2)
+    assert len(pairs) == 9 * len(ids)
+    assert [p for p, _ in pairs] == [0] * 9 + [1] * 9 + [2] * 9  # positions into the list, sample-major
+    for pos in range(3):
+        sig = [j for p, j in pairs if p == pos]
+        assert sorted(sig) == list(range(9))  # sigma_0..sigma_8, never the last step
+    assert len({tuple(j for p, j in pairs if p == pos) for pos in range(3)}) > 1  # shuffled per sample
+
+
+def test_pairs_of_a_sample_do_not_depend_on_the_other_samples(cfg):
+    together = train_sigma_pairs(cfg, [3, 17, 40], step=5)
+    alone = train_sigma_pairs(cfg, [17], step=5)
+    assert [j for _, j in alone] == [j for p, j in together if p == 1]
+    reordered = train_sigma_pairs(cfg, [40, 99, 17], step=5)
+    assert [j for p, j in reordered if p == 2] == [j for _, j in alone]
+    assert [j for p, j in reordered if p == 0] == [j for p, j in together if p == 2]
+
+
+def test_pairs_are_reproducible_and_keyed_by_step_and_seed(cfg):
+    ids = list(range(16))
+    a = train_sigma_pairs(cfg, ids, step=1)
+    assert a == train_sigma_pairs(cfg, ids, step=1)
+    assert a != train_sigma_pairs(cfg, ids, step=2)
+    other = load_config("tiny", ["train.seed=7"])
+    assert a != train_sigma_pairs(other, ids, step=1)
+
+
+def test_pairs_follow_the_strategy_settings():
+    no_shuffle = load_config("tiny", ["nft.shuffle_timesteps=false"])
+    assert train_sigma_pairs(no_shuffle, [5, 6], step=3) == [(p, j) for p in (0, 1) for j in range(9)]
+    drop = load_config("tiny", ["nft.timestep_strategy=drop_random"])
+    pairs = train_sigma_pairs(drop, list(range(40)), step=1)
+    assert len(pairs) == 9 * 40
+    dropped = {p: (set(range(10)) - {j for q, j in pairs if q == p}) for p in range(40)}
+    assert all(len(d) == 1 for d in dropped.values())
+    assert len({d.pop() for d in dropped.values()}) > 1
+
+
+def test_pair_noise_is_keyed_by_sample_not_by_batch(cfg):
+    a = pair_noise(cfg, 3, 17, 4, (16, 8, 8))
+    assert a.shape == (16, 8, 8) and a.dtype == torch.float32
+    assert torch.equal(a, pair_noise(cfg, 3, 17, 4, (16, 8, 8)))
+    assert not torch.equal(a, pair_noise(cfg, 3, 17, 5, (16, 8, 8)))
+    assert not torch.equal(a, pair_noise(cfg, 3, 18, 4, (16, 8, 8)))
+    assert not torch.equal(a, pair_noise(cfg, 4, 17, 4, (16, 8, 8)))
