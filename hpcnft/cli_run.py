@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from hpcnft.cli import UsageError
 
@@ -53,6 +54,41 @@ def preflight(cfg) -> None:
     except (ModelError, PromptFileError) as e:
         raise UsageError(str(e)) from None
     check_run_dir(cfg.run_dir)
+    check_existing_run(cfg)
+
+
+def default_run_dir(recipe: str) -> str:
+    name = os.path.splitext(os.path.basename(recipe))[0]
+    return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def tiny_models_built(cfg) -> bool:
+    from hpcnft.tiny_cache import built, cache_dir
+
+    return built(cfg.models.tiny_cache or cache_dir())
+
+
+def check_existing_run(cfg) -> None:
+    """A run dir that already holds a run may only be resumed with a compatible config."""
+    from hpcnft.config import ConfigError, differing_keys
+    from hpcnft.runfile import RunFileError, read_run
+
+    try:
+        if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
+            from hpcnft.runner import check_resumable
+
+            if check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None:
+                return
+        path = os.path.join(cfg.run_dir, "run.h5")
+        if os.path.exists(path):
+            diff = differing_keys(read_run(path).config, cfg.to_dict())
+            if diff:
+                raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
+                                 f"({', '.join(diff[:5])}); choose another --run-dir")
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    except RunFileError as e:
+        raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
 
 
 def check_run_dir(path: str) -> None:
@@ -89,7 +125,6 @@ def run(args) -> int:
 def spawn(cfg, args) -> int:
     """No launcher: check the input, build the tiny models once, then start the ranks."""
     from hpcnft import distributed
-    from hpcnft.runner import default_run_dir
 
     os.umask(os.umask(0) | 0o077)  # run dirs and files are private to the user
     cfg.run_dir = cfg.run_dir or default_run_dir(args.recipe)
@@ -98,10 +133,10 @@ def spawn(cfg, args) -> int:
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
     except OSError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e.strerror}") from None
-    if not cfg.models.sd3_dir or not cfg.models.pickscore_dir:
+    if (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
         from hpcnft.models import resolve_model_paths
 
-        resolve_model_paths(cfg)
+        resolve_model_paths(cfg)  # build them once here rather than in every rank
     world = 1 if cfg.layout.reward_ranks == 0 and cfg.layout.train_ranks == 1 else \
         cfg.layout.train_ranks + cfg.layout.reward_ranks
     train, reward = distributed.roles(world, cfg.layout.reward_ranks)

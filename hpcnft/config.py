@@ -51,6 +51,13 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    # The training reward is scale * PickScore; -1 turns the run into a control that should
+    # lower PickScore. eval/pickscore_* always report plain PickScore.
+    scale: float = 1.0
+
+
+@dataclass
 class NFTConfig:
     beta: float = 1.0
     adv_clip_max: float = 5.0
@@ -162,6 +169,7 @@ class Config:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -310,9 +318,22 @@ def read_recipe(recipe: str) -> tuple[str, dict]:
             raise ConfigError(f"unknown recipe {recipe!r} (known: {', '.join(recipe_names())})")
         source, text = f"recipe:{recipe}", res.read_text(encoding="utf-8")
     try:
-        return source, tomllib.loads(text)
+        table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: invalid TOML ({e})") from None
+    base = table.pop("base", None)  # `base = "tiny"`: start from that recipe, then apply this one
+    if base is not None:
+        if not isinstance(base, str) or base == recipe:
+            raise ConfigError(f"{source}: base must name another recipe")
+        table = _merge(read_recipe(base)[1], table)
+    return source, table
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, steps: int | None = None,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hpcnft import __version__, determinism, nft
 from hpcnft.config import Config
 from hpcnft.distributed import Topology
+from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu
 from hpcnft.prompts import PromptStream, read_prompt_file
 from hpcnft.reward_service import EVAL, ROLLOUT
 from hpcnft.sampler import (PromptEncoder, decode_to_uint8, euler_sample, image_grid, initial_noise,
@@ -83,8 +84,11 @@ class TrainRank:
         self.eval_sigmas = sigma_grid(pipe.scheduler, cfg.eval.num_steps)
         vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         self._server_totals = (0.0, 0.0)
+        self.ceiling = matmul_ceiling(topo.device, policy.compute_dtype)
         self.latent_shape = (pipe.transformer.config.in_channels, cfg.rollout.height // vae_factor,
                              cfg.rollout.width // vae_factor)
+        cond = self.encoder(self.stream.for_step(1, 1))
+        self.flops = count_dit_flops(policy, self.latent_shape, cond.prompt_embeds, cond.pooled)
 
     # -- rollout ---------------------------------------------------------------------------
     def _generate(self, prompts: list[str], sigmas, noise) -> tuple[torch.Tensor, object]:
@@ -149,6 +153,9 @@ class TrainRank:
             "perf/reward_wait_s": idle - self._server_totals[1], "perf/train_s": t_end - t_train,
             "perf/iteration_s": t_end - t_start,
             "perf/images_per_s": cfg.samples_per_step / max(ro.seconds + ro.wait_s, 1e-9),
+            "perf/mfu_rollout": mfu(self.flops.rollout_forward * len(mine) * cfg.rollout.num_steps
+                                    * (2 if cfg.rollout.guidance_scale > 1 else 1), ro.seconds, self.ceiling),
+            "perf/mfu_train": mfu(self.flops.train_pair * len(mine) * k, t_end - t_train, self.ceiling),
         })
         self._server_totals = (busy, idle)
         return metrics, ro

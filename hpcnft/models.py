@@ -51,9 +51,10 @@ def resolve_model_paths(cfg: Config, build_tiny: bool = True) -> ModelPaths:
     m = cfg.models
     sd3, ps = m.sd3_dir, m.pickscore_dir
     if not sd3 or not ps:
-        from hpcnft.tiny import default_cache_dir, ensure_tiny_models
+        from hpcnft.tiny import ensure_tiny_models
+        from hpcnft.tiny_cache import cache_dir
 
-        cache = m.tiny_cache or default_cache_dir()
+        cache = m.tiny_cache or cache_dir()
         tiny_sd3, tiny_ps = ensure_tiny_models(cache) if build_tiny else (None, None)
         sd3, ps = sd3 or tiny_sd3, ps or tiny_ps
     return ModelPaths(sd3, ps, m.pickscore_processor_dir or ps)

@@ -23,12 +23,10 @@ from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, R
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
 
-def default_run_dir(recipe: str) -> str:
-    return os.path.join("runs", f"{os.path.splitext(os.path.basename(recipe))[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
 def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
     """Every rank must write into the same run dir: rank 0's choice wins."""
+    from hpcnft.cli_run import default_run_dir
+
     choice = [cfg.run_dir or default_run_dir(recipe)]
     dist.broadcast_object_list(choice, src=0)
     cfg.run_dir = choice[0]
@@ -45,10 +43,8 @@ def make_score_fn(cfg: Config, scorer: PickScoreScorer):
 
     def score(kind: int, step: int, images: torch.Tensor, ids: list[int]) -> torch.Tensor:
         if kind == EVAL:
-            prompts = [eval_prompts[i] for i in ids]
-        else:
-            prompts = [stream.at((step - 1) * p + i // g) for i in ids]
-        return scorer(prompts, images)
+            return scorer([eval_prompts[i] for i in ids], images)
+        return cfg.reward.scale * scorer([stream.at((step - 1) * p + i // g) for i in ids], images)
 
     return score
 

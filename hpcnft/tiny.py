@@ -17,6 +17,8 @@ import tempfile
 
 import torch
 
+from hpcnft.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
+from hpcnft.tiny_cache import cache_dir as default_cache_dir  # noqa: F401 - used by hpcnft.bench
 # ----------------------------------------------------------------------------------------
 # Prompt corpus used to train the tiny tokenizers (and as demo prompts).
 # ----------------------------------------------------------------------------------------
@@ -377,8 +379,6 @@ def build_tiny_pickscore(out_dir: str, seed: int = 0) -> str:
 # ----------------------------------------------------------------------------------------
 # Building into a folder, safely from several ranks at once
 # ----------------------------------------------------------------------------------------
-SD3_DIRNAME, PICKSCORE_DIRNAME = "sd35_tiny", "pickscore_tiny"
-_DONE = "BUILD_COMPLETE"
 
 
 def tree_digest(path: str) -> str:
@@ -417,7 +417,7 @@ def ensure_tiny_models(cache_dir: str) -> tuple[str, str]:
     import fcntl
 
     os.makedirs(cache_dir, exist_ok=True)
-    done = os.path.join(cache_dir, _DONE)
+    done = os.path.join(cache_dir, DONE_MARKER)
     paths = (os.path.join(cache_dir, SD3_DIRNAME), os.path.join(cache_dir, PICKSCORE_DIRNAME))
     if os.path.exists(done):
         return paths
@@ -428,9 +428,3 @@ def ensure_tiny_models(cache_dir: str) -> tuple[str, str]:
             with open(done, "w") as f:
                 f.write(tree_digest(paths[0]) + " " + tree_digest(paths[1]) + "\n")
     return paths
-
-
-def default_cache_dir() -> str:
-    base = os.environ.get("HPCNFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hpcnft")
-    return os.path.join(base, "tiny-models")

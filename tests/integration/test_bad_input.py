@@ -79,6 +79,14 @@ def _case_out_of_range(tmp):
     return ["--set", "nft.timestep_fraction=1.5"], ["nft.timestep_fraction", "1.5"]
 
 
+def _case_run_dir_below_a_regular_file(tmp):
+    # Tests run as root, and root ignores permission bits, so `chmod 500` on a parent would not
+    # stop it. A path below a regular file fails for everyone (ENOTDIR), root included. The
+    # blocking file sits inside the watched run dir, so the snapshot shows it is left as it was.
+    run_dir = tmp / "run" / "sentinel.bin" / "run"
+    return ["--run-dir", str(run_dir)], [str(run_dir)]
+
+
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "incomplete model folder": _case_incomplete_model_folder,
@@ -88,6 +96,7 @@ CASES = {
     "unknown config key": _case_unknown_config_key,
     "wrong type": _case_wrong_type,
     "out of range": _case_out_of_range,
+    "run dir below a regular file": _case_run_dir_below_a_regular_file,
 }
 
 
@@ -106,29 +115,66 @@ def _assert_one_line_exit_2(proc: subprocess.CompletedProcess, names: list[str])
         assert name in lines[0], (name, lines[0])
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
-    run_dir = tmp_path / "run"
+def _prepare_run_dir(root: Path) -> Path:
+    run_dir = root / "run"
     run_dir.mkdir()
     (run_dir / "sentinel.bin").write_bytes(SENTINEL)
     (run_dir / "logs").mkdir()
     (run_dir / "logs" / "old.log").write_text("an earlier attempt\n")
-    before = _snapshot(run_dir)
-    args, names = CASES[case](tmp_path)
-    proc = _run([*args, "--run-dir", str(run_dir)], tmp_path)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    """Every case of CASES, run concurrently (each is a fresh interpreter that mostly imports torch;
+    on 2 cores this halves the wall time). case -> (process, names, run dir, snapshot before, root)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prepared = {}
+    for case, make in CASES.items():
+        root = tmp_path_factory.mktemp("bad_input")
+        run_dir = _prepare_run_dir(root)
+        before = _snapshot(run_dir)
+        args, names = make(root)
+        if "--run-dir" not in args:
+            args = [*args, "--run-dir", str(run_dir)]
+        prepared[case] = (root, run_dir, before, args, names)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {case: pool.submit(_run, p[3], p[0]) for case, p in prepared.items()}
+        return {case: (futures[case].result(), p[4], p[1], p[2], p[0]) for case, p in prepared.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case, outcomes):
+    proc, names, run_dir, before, root = outcomes[case]
     _assert_one_line_exit_2(proc, names)
-    assert _snapshot(run_dir) == before
-    assert not (tmp_path / "cache").exists()  # nothing got as far as building models
+    assert _snapshot(run_dir) == before  # same names, modes and bytes
+    assert (run_dir / "sentinel.bin").read_bytes() == SENTINEL
+    assert not (root / "cache").exists()  # nothing got as far as building models
 
 
-def test_run_dir_that_cannot_be_created(tmp_path):
-    # Tests run as root, and root ignores permission bits, so `chmod 500` on a parent would not
-    # stop it. A path below a regular file fails for everyone (ENOTDIR), root included.
-    blocker = tmp_path / "not_a_dir"
-    blocker.write_bytes(SENTINEL)
-    before = _snapshot(tmp_path)
-    run_dir = blocker / "run"
-    proc = _run(["--run-dir", str(run_dir)], tmp_path)
-    _assert_one_line_exit_2(proc, [str(run_dir)])
-    assert blocker.read_bytes() == SENTINEL
-    assert _snapshot(tmp_path) == before
+@pytest.mark.xfail(strict=True, reason="cli_run.preflight checks models.pickscore_processor_dir only inside "
+                   "`if m.pickscore_dir:`. With the tiny models (pickscore_dir empty) a bad processor folder "
+                   "passes the preflight: `hpcnft run --set models.pickscore_processor_dir=/nonexistent` "
+                   "spawns 3 ranks, builds the tiny models, writes run.h5 and logs/ into the run dir, and "
+                   "ends after ~20 s with 4 stderr lines (the reward rank's ModelError plus two gloo "
+                   "'Connection closed by peer' errors). Fix: in preflight, check "
+                   "`m.pickscore_processor_dir` whenever it is set, independently of pickscore_dir.")
+def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
+    # in-process (the real command takes ~20 s to fail, see the reason)
+    from hpcnft.cli import UsageError
+    from hpcnft.cli_run import preflight
+    from hpcnft.config import load_config
+
+    cfg = load_config("tiny", ["models.pickscore_processor_dir=/nonexistent"], run_dir=str(tmp_path / "run"))
+    with pytest.raises(UsageError, match="models.pickscore_processor_dir"):
+        preflight(cfg)
+
+
+@pytest.mark.xfail(strict=True, reason="cli.main uses plain argparse: `hpcnft run --steps abc` exits 2 but "
+                   "prints the usage line before the error (2 stderr lines); architecture.md §2 asks for one "
+                   "clear line. Fix: an ArgumentParser subclass whose error() prints only "
+                   "'hpcnft run: error: ...' and exits 2.")
+def test_bad_command_line_argument_is_one_line(tmp_path):
+    proc = _run(["--steps", "abc", "--run-dir", str(tmp_path / "run")], tmp_path)
+    _assert_one_line_exit_2(proc, ["--steps", "abc"])

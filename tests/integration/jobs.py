@@ -1,0 +1,78 @@
+"""Helpers for end-to-end runs of the tiny job as real processes (gloo on CPU)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import psutil
+
+from hpcnft.compare import compare_metrics
+from hpcnft.runfile import read_run
+
+
+def hpcnft(*args: str, timeout: float = 600, check: bool = True, env: dict | None = None):
+    r = subprocess.run([sys.executable, "-m", "hpcnft", *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    if check and r.returncode != 0:
+        raise AssertionError(f"hpcnft {' '.join(args)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpcnft", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 300) -> list[str]:
+    """Read the job's stdout until a line contains `needle`."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        if needle in line:
+            return seen
+    raise AssertionError(f"never saw {needle!r}; got {seen}")
+
+
+def rank_pids(spawner_pid: int) -> dict[int, int]:
+    """{rank: pid} of the ranks a local spawner started."""
+    out = {}
+    for child in psutil.Process(spawner_pid).children():
+        env = child.environ()
+        if "RANK" in env:
+            out[int(env["RANK"])] = child.pid
+    return out
+
+
+def kill_all_ranks(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
+    pids = rank_pids(proc.pid)
+    for pid in pids.values():
+        os.kill(pid, sig)
+    proc.kill()
+    proc.wait(timeout=60)
+
+
+def non_perf(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith("perf/") and len(v)}
+
+
+def assert_same_metrics(run_a: str, run_b: str) -> None:
+    """Bit-identical non-perf series, by the project's comparison and by a plain h5py read."""
+    a, b = non_perf(read_run(run_a).metrics), non_perf(read_run(run_b).metrics)
+    assert set(a) == set(b)
+    result = compare_metrics(a, b)
+    assert result.same, "\n".join(str(d) for d in result.divergences)
+    with h5py.File(os.path.join(run_a, "run.h5"), "r", locking=False) as fa, \
+            h5py.File(os.path.join(run_b, "run.h5"), "r", locking=False) as fb:
+        for key in a:
+            x, y = fa[f"metrics/{key}"][()], fb[f"metrics/{key}"][()]
+            assert x.shape == y.shape, key
+            assert np.array_equal(x, y, equal_nan=True), key

@@ -1,0 +1,59 @@
+"""`hpcnft bench` through the real command line at the tiny shapes, on the CPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def hpcnft(*args, timeout=600, env=None):
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hpcnft", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_bench_tiny_writes_every_phase_with_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "hpcnft-bench/1" and doc["shapes"] == "tiny"
+    assert doc["ceiling_tflops"] > 0
+    assert not doc["errors"], doc["errors"]
+    stacks = doc["stacks"]
+    assert set(stacks) == {"eager", "hpcnft_default", "hpcnft_fast"}
+    want = {"rollout_fwd_b4", "rollout_fwd_b8", "vae_decode", "pickscore", "train_pair_mb4", "train_pair_mb8",
+            "iteration"}
+    assert set(stacks["eager"]["phases"]) == want
+    assert set(stacks["hpcnft_default"]["phases"]) == want - {"iteration"}
+    assert set(stacks["hpcnft_fast"]["phases"]) == {"rollout_fwd_b8", "vae_decode", "pickscore", "train_pair_mb8",
+                                                    "iteration"}
+    for key, rec in stacks.items():
+        for name, m in rec["phases"].items():
+            assert m["s"] > 0 and m["per_unit_s"] > 0, (key, name, m)
+            if name != "iteration":
+                assert m["flops"] > 0 and 0 < m["mfu"], (key, name, m)
+            if key != "eager":
+                assert m["speedup_vs_eager"] > 0, (key, name, m)
+    fast_iter = stacks["hpcnft_fast"]["phases"]["iteration"]
+    assert fast_iter["flops"] > 0 and fast_iter["metrics"]["perf/iteration_s"] > 0
+    assert set(doc["targets"]) >= {"rollout_fwd_mfu", "train_pair_mfu", "iteration_s", "iteration_speedup_vs_eager"}
+    # the markdown table is printed last, one row per phase
+    assert "| iteration |" in r.stdout and "fast vs eager" in r.stdout
+
+
+def test_bench_real_shapes_without_cuda_is_one_line_usage_error():
+    r = hpcnft("bench", "--shapes", "sd35m", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr, r.stderr
+
+
+def test_bench_bad_lever_is_usage_error():
+    r = hpcnft("bench", "--shapes", "tiny", "--levers", "compile_blocks", env={"CUDA_VISIBLE_DEVICES": ""},
+               timeout=120)
+    assert r.returncode == 2 and "KEY=VALUE" in r.stderr, r.stderr
