@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 import typing
@@ -219,6 +220,7 @@ POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "
 NON_NEGATIVE = {"optim.weight_decay", "optim.eps", "ema.ramp", "ema.max", "ema.flat_steps", "ema.flat_decay",
                 "eval.every", "eval.num_prompts", "checkpoint.every", "layout.reward_ranks",
                 "nft.kl_beta", "logging.sample_grid_every", "logging.sample_grid_images"}
+MAY_BE_INFINITE = {"optim.grad_clip", "layout.timeout_s"}  # inf: no clipping / wait forever
 UNIT_INTERVAL = {"nft.timestep_fraction", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
 
@@ -379,6 +381,9 @@ def validate(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(allowed)}")
+    for key in POSITIVE | NON_NEGATIVE | UNIT_INTERVAL:
+        if isinstance(flat[key], float) and not math.isfinite(flat[key]) and key not in MAY_BE_INFINITE:
+            raise ConfigError(f"{key}: must be a finite number, got {flat[key]!r}")
     for key in POSITIVE:
         if not flat[key] > 0:
             raise ConfigError(f"{key}: must be > 0, got {flat[key]!r}")

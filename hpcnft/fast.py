@@ -4,7 +4,7 @@ every lever off the package runs exactly as before (same code path, same numeric
 | key | what it does | numerics |
 |---|---|---|
 | perf.attention_backend | SDPA backend for every DiT forward (and its backward): flash, cudnn, efficient, math | backend-dependent rounding |
-| perf.compile_blocks | regional torch.compile of each DiT transformer block (static shapes, raised recompile limit) | fused kernels round differently |
+| perf.compile_blocks | regional torch.compile of each DiT transformer block (static shapes, raised recompile limit); GPU only, and only where no FSDP2 group sits inside a block (a half-precision LoRA run under FSDP2 has one per LoRA linear, and dynamo breaks the graph at each: use it with skip_single_rank_fsdp) | fused kernels round differently |
 | perf.skip_single_rank_fsdp | on a one-rank train mesh, keep the plain module (no FSDP2 wrapping: no per-block and per-LoRA-linear all-gathers) | identical |
 | perf.merge_lora_nograd | the old-policy (no-grad) passes, rollout and v_old, run on W + s·B·A merged into the half-precision base weights, adapters off; the base weights are restored bit for bit afterwards | one fp16 rounding of W + ΔW instead of two matmuls |
 | perf.old_pass_batch | v_old for all of a step's pairs in batches of this size (0: per micro-batch, as before) | GEMM batch size changes rounding |
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 
 import torch
 
@@ -108,10 +109,23 @@ def compile_blocks(transformer) -> None:
     transformer._hpcnft_compiled = True
 
 
+def _nested_fsdp(block) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in block.modules() if m is not block)
+
+
 def prepare_policy(policy) -> None:
     """Construction-time levers of a Policy (called at the end of Policy.__init__)."""
     perf = effective(policy.cfg)
     if perf.compile_blocks and policy.device.type == "cuda":
+        if any(_nested_fsdp(b) for b in policy.transformer.transformer_blocks):
+            # A half-precision base puts each LoRA linear in its own FSDP2 group; dynamo breaks the
+            # graph at every one of their hooks (~16 per block), so compiling would gain nothing.
+            logging.getLogger("hpcnft").warning(
+                "perf.compile_blocks: skipped, the blocks hold FSDP2 groups (LoRA linears); on one rank set "
+                "perf.skip_single_rank_fsdp=true")
+            return
         compile_blocks(policy.transformer)
 
 

@@ -25,6 +25,8 @@ def read_prompt_file(spec: str, key: str) -> list[str]:
             raise PromptFileError(f"{key}: no built-in prompt file {spec!r}")
         text = res.read_text(encoding="utf-8")
     else:
+        if os.path.isdir(spec):
+            raise PromptFileError(f"{key}: {spec!r} is a directory, not a prompt file")
         if not os.path.isfile(spec):
             raise PromptFileError(f"{key}: prompt file {spec!r} does not exist")
         try:

@@ -136,14 +136,6 @@ def test_out_of_range_is_refused_naming_the_key(items, key):
         load_config("tiny", items)
 
 
-INF_ACCEPTED = ("config.validate checks POSITIVE keys only with `> 0`, which inf passes: `hpcnft run "
-                "--set optim.lr=inf` starts and logs nft_loss/grad_norm NaN from step 2 (nft.beta=inf makes "
-                "v+ = inf*v_theta + (1-inf)*v_old NaN; nft.adv_clip_max=inf makes every r exactly 0.5, so "
-                "nothing is learned). Fix: also require math.isfinite() for float keys in POSITIVE / "
-                "NON_NEGATIVE (grad_clip and timeout_s may keep inf as 'off').")
-
-
-@pytest.mark.xfail(strict=True, reason=INF_ACCEPTED)
 @pytest.mark.parametrize("key", ["optim.lr", "nft.beta", "nft.adv_clip_max"])
 def test_infinite_values_are_refused(key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

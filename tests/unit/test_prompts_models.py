@@ -54,10 +54,6 @@ def test_a_directory_is_not_a_prompt_file(tmp_path):
     assert "data.train_prompts" in str(e.value) and str(tmp_path) in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="prompts.read_prompt_file tests os.path.isfile() only, so a directory "
-                   "given as a prompt file is reported as \"prompt file '/dir' does not exist\", which is "
-                   "false and misleading. Fix: check os.path.isdir(spec) first and say it is a directory, "
-                   "not a file.")
 def test_a_directory_is_not_reported_as_missing(tmp_path):
     with pytest.raises(PromptFileError) as e:
         read_prompt_file(str(tmp_path), "data.train_prompts")
