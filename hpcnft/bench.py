@@ -764,8 +764,9 @@ class Bench:
             self.phase(rec, *ph)
         if iteration:
             S = self.S
-            iter_warm = self.args.iteration_warm if self.dev.type == "cuda" else 0
-            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=iter_warm, reps=1, flops=False)
+            eager = stack.key == "eager"  # the eager iteration is the slow one: once, after its warm phases
+            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=0 if eager else self.args.iteration_warm,
+                           reps=1 if eager else self.args.iteration_reps, flops=False)
             if m is not None:
                 m.update(self._iteration_flops(rec))
                 if getattr(stack, "last_metrics", None):
@@ -849,11 +850,11 @@ class Bench:
                            args.iteration == "all",
                            {"rollout_batch": max(S.rollout_batches), "micro_batch": max(S.micro_batches)})
             self.free(default)
-        for spec in expand_levers(args.levers, dev, S):
+        for lever in expand_levers(args.levers, dev, S):
             if self.over_budget():
-                self.doc["skipped"].append(f"lever {spec} (budget)")
+                self.doc["skipped"].append(f"lever {lever} (budget)")
                 continue
-            self.run_lever(spec)
+            self.run_lever(lever)
         self.finish()
         return self.doc
 
@@ -869,10 +870,12 @@ class Bench:
         self.doc["targets"] = targets(self.doc, self.S)
         self.save()
 
-    def run_lever(self, spec: tuple[str, object]) -> None:
+    def run_lever(self, lever: dict) -> None:
+        """hpcnft default plus `lever` (one lever; compile comes with skip_single_rank_fsdp)."""
         S = self.S
-        k, v = spec
-        stack = HpcnftStack(f"lever:{k}={_toml(v)}", f"hpcnft default + {k}={_toml(v)}", S, self.dev, {k: v})
+        name = ",".join(f"{k}={_toml(v)}" for k, v in lever.items())
+        stack = HpcnftStack(f"lever:{name}", f"hpcnft default + {name}", S, self.dev, lever)
+        k, v = next(iter(lever.items()))
         b, mb = max(S.rollout_batches), max(S.micro_batches)
         if k == "rollout.batch_size":
             phases = self.phases_for(stack, [int(v)], [], vae=False, pick=False)
@@ -888,21 +891,22 @@ class Bench:
             phases = self.phases_for(stack, [b], [mb], vae=False, pick=False)
         rec = self.run_stack(stack, phases, False)
         self.doc["stacks"].pop(stack.key, None)
-        rec["lever"] = f"{k}={_toml(v)}"
+        rec["lever"] = name
         base = self.doc["stacks"].get("hpcnft_default", {}).get("phases", {})
-        for name, m in rec["phases"].items():
-            if "s" in m and base.get(name, {}).get("s"):
-                m["speedup_vs_default"] = base[name]["per_unit_s"] / m["per_unit_s"]
+        for ph, m in rec["phases"].items():
+            if "s" in m and base.get(ph, {}).get("s"):
+                m["speedup_vs_default"] = base[ph]["per_unit_s"] / m["per_unit_s"]
         self.doc["levers"].append(rec)
         self.free(stack)
         self.save()
 
 
 LEVER_SWEEP = [
-    ("perf.attention_backend", "flash"), ("perf.attention_backend", "cudnn"),
-    ("perf.skip_single_rank_fsdp", True), ("perf.merge_lora_nograd", True), ("perf.old_pass_batch", 16),
-    ("rollout.batch_size", 32), ("perf.vae_dtype", "fp16"), ("perf.vae_channels_last", True),
-    ("perf.pickscore_dtype", "fp16"), ("train.grad_checkpointing", True), ("perf.compile_blocks", True),
+    {"perf.attention_backend": "flash"}, {"perf.attention_backend": "cudnn"},
+    {"perf.skip_single_rank_fsdp": True}, {"perf.merge_lora_nograd": True}, {"perf.old_pass_batch": 16},
+    {"rollout.batch_size": 32}, {"perf.vae_dtype": "fp16"}, {"perf.vae_channels_last": True},
+    {"perf.pickscore_dtype": "fp16"}, {"train.grad_checkpointing": True},
+    {"perf.compile_blocks": True, "perf.skip_single_rank_fsdp": True},
 ]
 
 
@@ -915,28 +919,32 @@ def _parse_value(raw: str):
         return raw
 
 
-def expand_levers(specs: list[str], dev, S: Shapes) -> list[tuple[str, object]]:
+def expand_levers(specs: list[str], dev, S: Shapes) -> list[dict]:
+    """--levers items -> one dict of config overrides per measurement. An item is 'all' (the
+    standard sweep) or KEY=VALUE[,KEY=VALUE...]; a KEY without a dot is a perf.* key."""
     out = []
     for spec in specs or []:
         if spec == "all":
-            for k, v in LEVER_SWEEP:
-                if dev.type != "cuda" and k in CUDA_ONLY_KEYS():
+            for lever in LEVER_SWEEP:
+                lever = dict(lever)
+                if dev.type != "cuda" and set(lever) & set(CUDA_ONLY_KEYS()):
                     continue
-                if k == "rollout.batch_size":
-                    v = 2 * max(S.rollout_batches)
-                    if v > S.samples:
+                if "rollout.batch_size" in lever:
+                    lever["rollout.batch_size"] = 2 * max(S.rollout_batches)
+                    if lever["rollout.batch_size"] > S.samples:
                         continue
-                if k == "perf.old_pass_batch":
-                    v = max(S.rollout_batches)
-                out.append((k, v))
+                if "perf.old_pass_batch" in lever:
+                    lever["perf.old_pass_batch"] = max(S.rollout_batches)
+                out.append(lever)
             continue
-        if "=" not in spec:
-            raise UsageError(f"--levers {spec!r}: expected KEY=VALUE or 'all'")
-        k, raw = spec.split("=", 1)
-        k = k.strip()
-        if "." not in k:
-            k = "perf." + k
-        out.append((k, _parse_value(raw)))
+        lever = {}
+        for item in spec.split(","):
+            if "=" not in item:
+                raise UsageError(f"--levers {spec!r}: expected KEY=VALUE[,KEY=VALUE...] or 'all'")
+            k, raw = item.split("=", 1)
+            k = k.strip()
+            lever[k if "." in k else "perf." + k] = _parse_value(raw)
+        out.append(lever)
     return out
 
 
@@ -1031,7 +1039,7 @@ def markdown(doc: dict) -> str:
     names += sorted({n for c in cols for n in st[c]["phases"]} - set(names))
     env = doc["environment"]
     lines = [f"`{doc['command']}` on {env['device']} (torch {env['torch']}), {doc['date']}; "
-             f"ceiling: {doc.get('ceiling_what', '')} = {doc.get('ceiling_tflops', 0):.0f} TFLOP/s. "
+             f"ceiling: {doc.get('ceiling_what', '')} = {doc.get('ceiling_tflops', 0):.4g} TFLOP/s. "
              "Cells: time per unit · MFU against that ceiling (FLOPs counted over the phase) · peak memory.", "",
              "| phase | " + " | ".join(st[c]["label"] for c in cols) + " | fast vs eager |",
              "|---|" + "---|" * (len(cols) + 1)]
@@ -1052,7 +1060,7 @@ def markdown(doc: dict) -> str:
                     continue
                 lines.append(f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | "
                              f"{m['mfu'] * 100:.1f} % | {m.get('peak_gib', 0):.1f} | "
-                             f"{m.get('speedup_vs_default', float('nan')):.2f}× |"
+                             + (f"{m['speedup_vs_default']:.2f}× |" if "speedup_vs_default" in m else "— |")
                              if m.get("mfu") else f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | | | |")
     if doc.get("targets"):
         lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
@@ -1081,7 +1089,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="change the 'hpcnft fast' combination (default: hpcnft.fast.FAST), repeatable")
     p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
                    help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
-    p.add_argument("--iteration-warm", type=int, default=1, help="untimed whole iterations first (GPU; default 1)")
+    p.add_argument("--iteration-warm", type=int, default=0,
+                   help="untimed whole iterations of the hpcnft stacks first (default 0: their phases warmed them)")
+    p.add_argument("--iteration-reps", type=int, default=1,
+                   help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
     p.add_argument("--all-shapes", action="store_true",
                    help="measure 'hpcnft fast' at every rollout batch and micro-batch too (more compiles)")
     p.add_argument("--no-default", action="store_true", help="skip the 'hpcnft default' stack")
@@ -1099,8 +1110,8 @@ def main(name: str, args: argparse.Namespace) -> int:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    expand_levers(args.levers, dev, S)  # bad specs fail before anything is built
-    fast_overrides(S, dev, args.overrides)
+    for over in expand_levers(args.levers, dev, S) + [fast_overrides(S, dev, args.overrides)]:
+        bench_config(S, dev, over)  # bad specs and config values fail before anything is built
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle  # only through _MetadataUnpickler
 import re
 import shutil
 from dataclasses import dataclass
@@ -36,6 +37,36 @@ LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)  # froz
 
 class CheckpointError(Exception):
     pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: read it with only the classes checkpoint metadata is made
+    of, so a planted file cannot run code."""
+
+    MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
+    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+             ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module, name):
+        allowed = module in self.MODULES or (module, name) in self.NAMES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata load executes nothing (shards load weights-only)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -63,7 +94,7 @@ def problems(path: str) -> str | None:
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing"
     try:
-        meta = dcp.FileSystemReader(path).read_metadata()
+        meta = SafeReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata disqualifies it
         return f"unreadable DCP metadata ({type(e).__name__})"
     for storage in (meta.storage_data or {}).values():
@@ -169,7 +200,7 @@ def load(path: str, policy, optimizer, train_group) -> TrainState:
     """Collective over the train ranks: load params, shadow and optimizer in place."""
     model = policy.transformer
     state = _state(policy, optimizer)
-    dcp.load(state, checkpoint_id=path, process_group=train_group)
+    dcp.load(state, storage_reader=SafeReader(path), process_group=train_group)
     result = set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
     trained = set(policy.trainable_names)
     missing = [k for k in result.missing_keys if k in trained]

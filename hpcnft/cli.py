@@ -22,6 +22,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors as one line (`hpcnft run: error: ...`), exit 2, like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2."""
 
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"hpcnft {name}: unavailable ({e})", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog=f"hpcnft {name}", description=help_)
+    parser = OneLineParser(prog=f"hpcnft {name}", description=help_)
     module.add_arguments(name, parser)
     args = parser.parse_args(argv[1:])
     try:

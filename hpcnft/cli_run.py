@@ -49,6 +49,7 @@ def preflight(cfg) -> None:
             check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
+        if m.pickscore_processor_dir or m.pickscore_dir:
             check_folder("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
                          PROCESSOR_REQUIRED)
     except (ModelError, PromptFileError) as e:
@@ -115,7 +116,7 @@ def run(args) -> int:
         info = detect(os.environ)
     except (ConfigError, LaunchError) as e:
         raise UsageError(str(e)) from None
-    if info.launcher == "none" and os.environ.get("HPCNFT_LAUNCHER") != "local":
+    if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
         return spawn(cfg, args)
     from hpcnft.runner import run_rank
 

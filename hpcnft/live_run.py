@@ -27,6 +27,7 @@ class RunFollower:
         self.seen_file = False
         self.last_step: float | None = None  # the last step printed
         self._events_seen = 0
+        self._end: str | None = None
         self._f: h5py.File | None = None
 
     def poll(self) -> tuple[list[str], str | None]:
@@ -37,7 +38,12 @@ class RunFollower:
         try:
             # Events first: metrics written before a 'done' event are then visible too.
             events = self._new_events(f)
-            end = next((e["kind"] for e in events if e["kind"] in END_KINDS), None)
+            for e in events:  # a resumed run: only an end after its latest start counts
+                if e["kind"] == "start":
+                    self._end = None
+                elif e["kind"] in END_KINDS:
+                    self._end = e["kind"]
+            end = self._end
             lines = self._new_step_lines(f, flush_all=end is not None)
         except (OSError, KeyError, ValueError, RuntimeError):
             self.close()  # the writer is between SWMR sessions; reopen on the next poll

@@ -262,9 +262,10 @@ def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
 def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
-    if os.environ.get("HPCNFT_LAUNCHER") == "local":  # ranks started by our own spawner
-        info = dataclasses.replace(info, launcher="local")
+    if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
+        info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    os.umask(os.umask(0) | 0o077)  # run dirs, logs and checkpoints are private to the user
     topo, group, mesh = distributed.setup(cfg, info)
     agree_run_dir(cfg, recipe, topo)
     setup_logging(cfg.run_dir, topo.rank)

@@ -69,6 +69,24 @@ class PairBatch:
     n_global_pairs: int  # pairs of the whole optimizer step over all train ranks
 
 
+def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
+    """peft LoRA on the configured projections, 'gaussian' init (B = 0: the step-0 model is the
+    base), trained weights in fp32."""
+    from peft import LoraConfig
+
+    t = cfg.train
+    lora = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
+                      target_modules=list(t.lora_targets))
+    # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
+    # global state back so nothing else depends on this draw.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stable_hash("lora_init", t.seed))
+        transformer.add_adapter(lora)
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
 class Policy:
     def __init__(self, cfg: Config, transformer: torch.nn.Module, device: torch.device, mesh):
         self.cfg, self.device = cfg, device
@@ -85,7 +103,7 @@ class Policy:
 
         cfg, tr = self.cfg.train, self.transformer
         if cfg.finetune == "lora":
-            self._add_lora()
+            add_lora(self.transformer, self.cfg)
         else:
             tr.requires_grad_(True)
         # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
@@ -107,21 +125,6 @@ class Policy:
         for block in tr.transformer_blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(tr, mesh=mesh)
-
-    def _add_lora(self) -> None:
-        from peft import LoraConfig
-
-        cfg = self.cfg.train
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                          target_modules=list(cfg.lora_targets))
-        # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
-        # global state back so nothing else depends on this draw.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(stable_hash("lora_init", cfg.seed))
-            self.transformer.add_adapter(lora)
-        for p in self.transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
 
     # -- old policy ----------------------------------------------------------------------
     @contextlib.contextmanager

@@ -153,15 +153,8 @@ def test_bad_input_is_one_line_and_exit_2(case, outcomes):
     assert not (root / "cache").exists()  # nothing got as far as building models
 
 
-@pytest.mark.xfail(strict=True, reason="cli_run.preflight checks models.pickscore_processor_dir only inside "
-                   "`if m.pickscore_dir:`. With the tiny models (pickscore_dir empty) a bad processor folder "
-                   "passes the preflight: `hpcnft run --set models.pickscore_processor_dir=/nonexistent` "
-                   "spawns 3 ranks, builds the tiny models, writes run.h5 and logs/ into the run dir, and "
-                   "ends after ~20 s with 4 stderr lines (the reward rank's ModelError plus two gloo "
-                   "'Connection closed by peer' errors). Fix: in preflight, check "
-                   "`m.pickscore_processor_dir` whenever it is set, independently of pickscore_dir.")
 def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
-    # in-process (the real command takes ~20 s to fail, see the reason)
+    # in-process: the tiny models need no model folders, so only the processor override is checked
     from hpcnft.cli import UsageError
     from hpcnft.cli_run import preflight
     from hpcnft.config import load_config
@@ -171,10 +164,6 @@ def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
         preflight(cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="cli.main uses plain argparse: `hpcnft run --steps abc` exits 2 but "
-                   "prints the usage line before the error (2 stderr lines); architecture.md §2 asks for one "
-                   "clear line. Fix: an ArgumentParser subclass whose error() prints only "
-                   "'hpcnft run: error: ...' and exits 2.")
 def test_bad_command_line_argument_is_one_line(tmp_path):
     proc = _run(["--steps", "abc", "--run-dir", str(tmp_path / "run")], tmp_path)
     _assert_one_line_exit_2(proc, ["--steps", "abc"])

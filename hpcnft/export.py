@@ -1,0 +1,78 @@
+"""`hpcnft export RUN [--step K] [--policy trained|old] OUT`: the weights of a checkpoint as a
+folder diffusers loads directly: LoRA adapters as `pytorch_lora_weights.safetensors`
+(`pipe.load_lora_weights(OUT)`), or, for a full fine-tune, a transformer folder
+(`SD3Transformer2DModel.from_pretrained(OUT)`).
+
+Runs in one process without a process group: DCP reassembles the sharded checkpoint."""
+from __future__ import annotations
+
+import os
+
+from hpcnft.cli import UsageError
+
+POLICIES = {"trained": "model", "old": "old_policy"}
+
+
+def add_arguments(name: str, p) -> None:
+    p.add_argument("run", help="a run dir (or its run.h5)")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="trained",
+                   help="the trained policy, or the old policy (EMA) the next rollout samples with")
+
+
+def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
+    from hpcnft import checkpoint
+
+    found = checkpoint.list_checkpoints(run_dir)
+    if step is not None:
+        found = [c for c in found if c[0] == step]
+    usable = [(s, p) for s, p in found if checkpoint.problems(p) is None]
+    if not usable:
+        what = f"step {step}" if step is not None else "any step"
+        raise UsageError(f"{run_dir}: no complete checkpoint for {what}")
+    return usable[-1]
+
+
+def load_transformer(ckpt_path: str, policy: str):
+    """The run's SD3 transformer with the checkpoint's weights of `policy` in place."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpcnft.checkpoint import SafeReader, read_json
+    from hpcnft.config import config_from_dict
+    from hpcnft.models import load_sd3_pipeline, resolve_model_paths
+    from hpcnft.trainer import add_lora
+
+    cfg = config_from_dict(read_json(ckpt_path, "config.json"))
+    pipe = load_sd3_pipeline(resolve_model_paths(cfg).sd3, torch.float32, torch.device("cpu"))
+    tr = pipe.transformer
+    if cfg.train.finetune == "lora":
+        add_lora(tr, cfg)
+    else:
+        tr.requires_grad_(True)
+    trained = {n: p.detach() for n, p in tr.named_parameters() if p.requires_grad}
+    state = {POLICIES[policy]: trained}
+    dcp.load(state, storage_reader=SafeReader(ckpt_path))  # into the live tensors, reassembling the shards
+    return cfg, pipe
+
+
+def main(name: str, args) -> int:
+    run_dir = os.path.dirname(args.run) if args.run.endswith(".h5") else args.run
+    step, path = find_checkpoint(run_dir, args.step)
+    cfg, pipe = load_transformer(path, args.policy)
+    os.makedirs(args.out, exist_ok=True)
+    if cfg.train.finetune == "lora":
+        from peft.utils import get_peft_model_state_dict
+
+        tr = pipe.transformer
+        # The adapter config travels in the file's metadata: without lora_alpha, diffusers would
+        # load the adapters with scale 1 instead of alpha / r.
+        pipe.save_lora_weights(args.out, transformer_lora_layers=get_peft_model_state_dict(tr),
+                               transformer_lora_adapter_metadata=tr.peft_config["default"].to_dict(),
+                               safe_serialization=True)
+    else:
+        pipe.transformer.save_pretrained(args.out, safe_serialization=True)
+    kind = "LoRA adapters" if cfg.train.finetune == "lora" else "transformer"
+    print(f"exported the {args.policy} policy's {kind} of {path} (step {step}) to {args.out}")
+    return 0
