@@ -770,7 +770,12 @@ class Bench:
             if m is not None:
                 m.update(self._iteration_flops(rec))
                 if getattr(stack, "last_metrics", None):
-                    m["metrics"] = stack.last_metrics
+                    m["metrics"] = met = stack.last_metrics
+                    # the package's own split of the (last) iteration: rollout incl. decode and reward, train
+                    for part in ("rollout", "train"):
+                        if m.get(f"{part}_flops") and met.get(f"perf/{part}_s"):
+                            m[f"{part}_s"] = met[f"perf/{part}_s"]
+                            m[f"{part}_mfu"] = m[f"{part}_flops"] / met[f"perf/{part}_s"] / self.ceiling
                 m["samples"], m["pairs"] = S.samples, S.samples * int(S.num_steps * 0.99)
                 self.save()
         return rec
@@ -788,8 +793,12 @@ class Bench:
             return {}
         total = sum(p["flops"] * k for p, k in parts.values())
         t = ph["iteration"]["s"]
-        return {"flops": int(total), "flops_from": "phase counts x phase calls per iteration",
-                "tflops": total / t / 1e12, "mfu": total / t / self.ceiling}
+        out = {"flops": int(total), "flops_from": "phase counts x phase calls per iteration",
+               "tflops": total / t / 1e12, "mfu": total / t / self.ceiling,
+               "rollout_flops": int(sum(parts[k][0]["flops"] * parts[k][1] for k in ("rollout_fwd", "vae_decode",
+                                                                                     "pickscore"))),
+               "train_flops": int(parts["train"][0]["flops"] * parts["train"][1])}
+        return out
 
     def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True) -> list[tuple]:
         S = self.S

@@ -14,6 +14,7 @@ or whose metadata names a shard file that is missing, is never loaded.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle  # only through _MetadataUnpickler
@@ -28,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
+
+from hpcnft import determinism
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -55,8 +58,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+class _WeightsOnlyBytes:
+    """The load planner as DCP's reader sees it, except that non-tensor items (optimizer
+    hyper-parameters) load weights-only: DefaultLoadPlanner.load_bytes unpickles them with
+    weights_only=False, so a planted shard could run code."""
+
+    def __init__(self, planner):
+        self._planner = planner
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        p = self._planner
+        if type(p) is not DefaultLoadPlanner:
+            raise CheckpointError(f"cannot load non-tensor items safely through {type(p).__name__}")
+        obj = torch.load(value, weights_only=True)
+        if p.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes does, minus the code execution
+            set_element(p.original_state_dict, p.mappings[read_item.dest_index.fqn], obj)
+        else:
+            p.state_dict[read_item.dest_index.fqn] = obj
+
+
 class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata load executes nothing (shards load weights-only)."""
+    """FileSystemReader that executes nothing: the metadata is read with an allow-list
+    unpickler, tensors load weights-only (as in DCP) and so do non-tensor items."""
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, _WeightsOnlyBytes(planner))
 
     def read_metadata(self, *args, **kwargs):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
@@ -86,8 +118,69 @@ def rng_path(ckpt_dir: str, rank: int) -> str:
 
 
 # -- discovery ------------------------------------------------------------------------
+def _reason(e: BaseException) -> str:
+    """One line for a failure; for a DCP CheckpointException, the first rank's own error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        e = first[0] if isinstance(first, tuple) and first else e
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+MAX_RNG_BYTES = 1 << 24  # an RNG state file is ~12 KB
+
+
+def _shard_problems(path: str, meta) -> str | None:
+    """Shards that are missing, shorter than the metadata says, outside the checkpoint, or whose
+    non-tensor items are not weights-only data (those are unpickled on load)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    byte_items = {fqn for fqn, md in (meta.state_dict_metadata or {}).items() if isinstance(md, BytesStorageMetadata)}
+    sizes: dict[str, int] = {}
+    for index, storage in (meta.storage_data or {}).items():
+        rel = storage.relative_path
+        if not isinstance(rel, str) or os.path.basename(rel) != rel or rel.startswith("."):
+            return f"metadata names a shard outside the checkpoint ({str(rel)[:80]!r})"
+        if rel not in sizes:
+            if not os.path.isfile(os.path.join(path, rel)):
+                return f"shard {rel} is missing"
+            sizes[rel] = os.path.getsize(os.path.join(path, rel))
+        offset, length = int(storage.offset), int(storage.length)
+        if offset < 0 or length < 0 or offset + length > sizes[rel]:
+            return f"shard {rel} is shorter than its metadata says"
+        if index.fqn in byte_items:
+            with open(os.path.join(path, rel), "rb") as f:
+                f.seek(offset)
+                blob = f.read(length)
+            try:
+                torch.load(io.BytesIO(blob), weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                return f"shard {rel}: item {index.fqn} is not weights-only data ({type(e).__name__})"
+    return None
+
+
+def _rng_problems(path: str) -> str | None:
+    rng_dir = os.path.join(path, "rng")
+    if not os.path.isdir(rng_dir):
+        return None
+    for name in sorted(os.listdir(rng_dir)):
+        file = os.path.join(rng_dir, name)
+        if not os.path.isfile(file) or os.path.getsize(file) > MAX_RNG_BYTES:
+            return f"rng/{name} is not an RNG state file"
+        with open(file, "rb") as f:
+            blob = f.read()
+        try:
+            determinism.load_rng_state(blob)
+        except pickle.UnpicklingError as e:
+            return f"rng/{name}: {str(e).splitlines()[0] if str(e) else 'not an RNG state'}"
+    return None
+
+
 def problems(path: str) -> str | None:
-    """Why the checkpoint at `path` must not be loaded, or None when it is complete."""
+    """Why the checkpoint at `path` must not be loaded, or None when it is complete. Reading
+    it executes nothing: the metadata goes through an allow-list unpickler, the non-tensor
+    items of the shards and the RNG states through weights-only / allow-list loaders."""
     if not os.path.exists(os.path.join(path, COMPLETE)):
         return "no COMPLETE marker"
     for name in ("trainer_state.json", "config.json", ".metadata"):
@@ -97,15 +190,24 @@ def problems(path: str) -> str | None:
         meta = SafeReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata disqualifies it
         return f"unreadable DCP metadata ({type(e).__name__})"
-    for storage in (meta.storage_data or {}).values():
-        rel = getattr(storage, "relative_path", None)
-        if rel and not os.path.isfile(os.path.join(path, rel)):
-            return f"shard {rel} is missing"
     try:
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return "trainer_state.json is unreadable"
+        why = _shard_problems(path, meta) or _rng_problems(path)
+    except Exception as e:  # noqa: BLE001 - metadata of the wrong shape, unreadable files
+        why = f"unreadable checkpoint ({_reason(e)})"
+    if why:
+        return why
+    for name in ("trainer_state.json", "config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            return f"{name} is unreadable"
+        if not isinstance(doc, dict):
+            return f"{name} is not a JSON object"
+    ts = read_json(path, "trainer_state.json")
+    if not (isinstance(ts.get("step"), int) and isinstance(ts.get("prompt_cursor"), int)
+            and isinstance(ts.get("scaler"), dict)):
+        return "trainer_state.json lacks step, prompt_cursor or scaler"
     return None
 
 
@@ -165,32 +267,60 @@ def save(run_dir: str, step: int, policy, optimizer, train_group, is_writer: boo
     """Collective over the train ranks. The caller has the reward ranks write their RNG files
     into partial_dir() before the commit."""
     tmp = partial_dir(run_dir, step)
-    if is_writer:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
-    dist.barrier(group=train_group) if train_group is not None else None
-    with open(rng_path(tmp, rank), "wb") as f:
-        f.write(rng_blob)
-    dcp.save(_state(policy, optimizer), checkpoint_id=tmp, process_group=train_group)
+    try:
+        if is_writer:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "rng"), mode=0o700)
+        dist.barrier(group=train_group) if train_group is not None else None
+        with open(rng_path(tmp, rank), "wb") as f:
+            f.write(rng_blob)
+        dcp.save(_state(policy, optimizer), checkpoint_id=tmp, process_group=train_group)
+    except (OSError, dcp.CheckpointException) as e:  # a full disk, a read-only file system
+        reason = _reason(e)
+        if is_writer:
+            reason = _space_note(run_dir) + reason
+            discard_partial(run_dir, step)
+        raise CheckpointError(f"{tmp}: cannot write the checkpoint ({reason})") from None
     return tmp
+
+
+def _space_note(run_dir: str) -> str:
+    """'file system full: ' when under 1 MiB is left (torch's writers turn ENOSPC into errors
+    such as "unexpected pos"), else ''."""
+    try:
+        st = os.statvfs(checkpoint_root(run_dir))
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f"file system full, {free >> 10} KiB free: " if free < (1 << 20) else ""
+
+
+def discard_partial(run_dir: str, step: int) -> None:
+    """Remove what a failed checkpoint wrote (best effort); older checkpoints stay as they are."""
+    shutil.rmtree(partial_dir(run_dir, step), ignore_errors=True)
 
 
 def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, keep: int) -> str:
     """Rank 0, after every rank's files are in place: state, config, COMPLETE, rename, prune."""
     tmp, final = partial_dir(run_dir, step), step_dir(run_dir, step)
-    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump({"step": train_state.step, "prompt_cursor": train_state.prompt_cursor,
-                   "scaler": train_state.scaler}, f, indent=2)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        f.write(config_json)
-    with open(os.path.join(tmp, COMPLETE), "w") as f:
-        f.write(f"{step}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": train_state.step, "prompt_cursor": train_state.prompt_cursor,
+                       "scaler": train_state.scaler}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(config_json)
+        with open(os.path.join(tmp, COMPLETE), "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as e:
+        reason = _space_note(run_dir) + _reason(e)
+        discard_partial(run_dir, step)
+        raise CheckpointError(f"{tmp}: cannot write the checkpoint ({reason})") from None
     for _, old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -200,7 +330,10 @@ def load(path: str, policy, optimizer, train_group) -> TrainState:
     """Collective over the train ranks: load params, shadow and optimizer in place."""
     model = policy.transformer
     state = _state(policy, optimizer)
-    dcp.load(state, storage_reader=SafeReader(path), process_group=train_group)
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), process_group=train_group)
+    except (OSError, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: cannot load the checkpoint ({_reason(e)})") from None
     result = set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
     trained = set(policy.trainable_names)
     missing = [k for k in result.missing_keys if k in trained]

@@ -75,14 +75,15 @@ def check_existing_run(cfg) -> None:
     from hpcnft.runfile import RunFileError, read_run
 
     try:
+        resumable = False
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
             from hpcnft.runner import check_resumable
 
-            if check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None:
-                return
+            resumable = check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None
         path = os.path.join(cfg.run_dir, "run.h5")
-        if os.path.exists(path):
-            diff = differing_keys(read_run(path).config, cfg.to_dict())
+        if os.path.lexists(path):
+            stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
+            diff = [] if resumable else differing_keys(stored, cfg.to_dict())
             if diff:
                 raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                                  f"({', '.join(diff[:5])}); choose another --run-dir")
@@ -127,7 +128,7 @@ def spawn(cfg, args) -> int:
     """No launcher: check the input, build the tiny models once, then start the ranks."""
     from hpcnft import distributed
 
-    os.umask(os.umask(0) | 0o077)  # run dirs and files are private to the user
+    os.umask(int(cfg.umask, 8))  # run dirs and files: private to the user by default (077)
     cfg.run_dir = cfg.run_dir or default_run_dir(args.recipe)
     preflight(cfg)
     try:

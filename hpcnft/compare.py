@@ -204,8 +204,12 @@ def parse_json_number(v) -> float:
             raise CompareError(f"{v!r} is not a number (expected a number, 'NaN', 'Infinity' or '-Infinity')")
         return _JSON_TO_NON_FINITE[v]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise CompareError(f"{v!r} is not a number")
-    return float(v)
+        text = repr(v)
+        raise CompareError(f"{text if len(text) <= 60 else text[:57] + '...'} is not a number")
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond float64
+        raise CompareError(f"{str(v)[:20]}... is out of range") from None
 
 
 def standard_document(metrics: Mapping[str, Series], meta: Mapping[str, object]) -> dict:

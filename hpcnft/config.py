@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -167,6 +168,7 @@ class PerfConfig:
 class Config:
     steps: int = 100
     run_dir: str = ""
+    umask: str = "077"  # octal file-creation mask of every rank: run dir, run.h5, logs, checkpoints
     models: ModelsConfig = field(default_factory=ModelsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -196,7 +198,7 @@ class Config:
 
 
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
-RESUME_MUTABLE_KEYS = {"steps", "run_dir", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
+RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue"}
 
@@ -220,7 +222,11 @@ POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "
 NON_NEGATIVE = {"optim.weight_decay", "optim.eps", "ema.ramp", "ema.max", "ema.flat_steps", "ema.flat_decay",
                 "eval.every", "eval.num_prompts", "checkpoint.every", "layout.reward_ranks",
                 "nft.kl_beta", "logging.sample_grid_every", "logging.sample_grid_images"}
-MAY_BE_INFINITE = {"optim.grad_clip", "layout.timeout_s"}  # inf: no clipping / wait forever
+MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
+# Upper bounds: collectives wait at most a day; images and chunks within what the reward
+# service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
+AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
+MAX_CHUNK_BYTES = 1 << 30
 UNIT_INTERVAL = {"nft.timestep_fraction", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
 
@@ -393,6 +399,15 @@ def validate(cfg: Config) -> None:
     for key in UNIT_INTERVAL:
         if not 0 <= flat[key] <= 1:
             raise ConfigError(f"{key}: must be within [0, 1], got {flat[key]!r}")
+    for key, limit in AT_MOST.items():
+        if not flat[key] <= limit:
+            raise ConfigError(f"{key}: must be <= {limit:g}, got {flat[key]!r}")
+    for key, value in flat.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and ("\0" in v or "\n" in v) for v in values):
+            raise ConfigError(f"{key}: must not contain NUL or newline characters")
+    if not re.fullmatch(r"0?[0-7]{3}", cfg.umask):
+        raise ConfigError(f"umask: expected an octal mask such as \"077\" or \"027\", got {cfg.umask!r}")
     r = cfg.rollout
     for key in ("height", "width"):
         if getattr(r, key) % 16:
@@ -400,6 +415,9 @@ def validate(cfg: Config) -> None:
     if int(r.num_steps * cfg.nft.timestep_fraction) < 1:
         raise ConfigError("nft.timestep_fraction: trains no sigma at rollout.num_steps "
                           f"{r.num_steps} (needs num_steps * fraction >= 1)")
+    if r.batch_size * r.height * r.width * 3 > MAX_CHUNK_BYTES:
+        raise ConfigError(f"rollout.batch_size: a chunk of {r.batch_size} images of {r.height}x{r.width} is more "
+                          f"than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
     if r.batch_size > cfg.samples_per_step:
         raise ConfigError(f"rollout.batch_size: {r.batch_size} is more than the {cfg.samples_per_step} "
                           "samples of a step")

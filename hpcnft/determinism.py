@@ -60,9 +60,24 @@ def capture_rng_state() -> bytes:
     return pickle.dumps(state, protocol=4)
 
 
+def load_rng_state(blob: bytes) -> dict:
+    """The states captured by `capture_rng_state`, read without executing anything;
+    pickle.UnpicklingError (one line) for bytes that are anything else."""
+    try:
+        state = _SafeUnpickler.loads(blob)
+    except pickle.UnpicklingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or random bytes
+        text = str(e).strip().splitlines()
+        raise pickle.UnpicklingError(f"not an RNG state ({type(e).__name__}: {text[0] if text else ''})") from None
+    if not isinstance(state, dict) or set(state) != {"python", "numpy", "torch", "cuda"}:
+        raise pickle.UnpicklingError("not an RNG state (unexpected content)")
+    return state
+
+
 def restore_rng_state(blob: bytes) -> None:
     """Restore states captured by `capture_rng_state` in this run (our own bytes only)."""
-    state = _SafeUnpickler.loads(blob)
+    state = load_rng_state(blob)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(torch.from_numpy(state["torch"]))

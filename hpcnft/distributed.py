@@ -100,7 +100,9 @@ def setup(cfg: Config, info: LaunchInfo):
     dist.all_gather_object(everyone, (socket.gethostname(), str(device)))
     topo.hosts = [h for h, _ in everyone]
     topo.devices = [d for _, d in everyone]
-    train_group = dist.new_group(train, timeout=timeout) if len(train) > 1 else None
+    # Always a group of the train ranks (even of one): collectives such as DCP's must never
+    # include the reward ranks, which are busy serving.
+    train_group = dist.new_group(train, timeout=timeout)
     mesh = DeviceMesh(device.type, torch.tensor(train))
     return topo, train_group, mesh
 

@@ -74,13 +74,16 @@ def load_metrics(path: str) -> dict[str, np.ndarray]:
     """The metric series of a run (dir or .h5) or of a recorded standard (.json)."""
     if not path.endswith(".json"):
         return runfile.read_run(path).metrics
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UsageError(f"{path}: not a regular file")  # a FIFO would block the reader
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except FileNotFoundError:
         raise UsageError(f"{path}: no such standard file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: not a JSON standard ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0] if str(e) else ""
+        raise UsageError(f"{path}: not a JSON standard ({reason})") from None
     try:
         return metrics_from_standard(doc)
     except CompareError as e:
@@ -201,7 +204,10 @@ def _packed(items: Iterable[str], width: int = 100) -> list[str]:
 
 
 def _clock(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (ValueError, OverflowError, OSError):  # a damaged time stamp (NaN, out of range)
+        return f"time={t!r}"
 
 
 def _schema_order(keys: Iterable[str]) -> list[str]:

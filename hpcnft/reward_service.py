@@ -32,6 +32,7 @@ REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
 MAX_CHUNK = 4096
 MAX_SIDE = 8192
+MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
 
 
 class RewardServiceError(RuntimeError):
@@ -64,11 +65,19 @@ def _wait(works, timeout_s: float, what: str) -> None:
 
 
 def validate_header(h: list[int]) -> None:
-    kind, _step, n, height, width, _ = h
+    """Refuse a request header before anything is allocated for its payload."""
+    if len(h) != 6:
+        raise RewardServiceError(f"malformed request: header of {len(h)} values")
+    kind, step, n, height, width, _ = h
     if kind not in (ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT):
         raise RewardServiceError(f"malformed request: unknown kind {kind}")
-    if kind in (ROLLOUT, EVAL) and not (0 < n <= MAX_CHUNK and 0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
+    if step < 0:
+        raise RewardServiceError(f"malformed request: step {step}")
+    if kind in (ROLLOUT, EVAL) and not (0 < n <= MAX_CHUNK and 0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE
+                                        and n * height * width * 3 <= MAX_CHUNK_BYTES):
         raise RewardServiceError(f"malformed request: {n} images of {height}x{width} is out of bounds")
+    if kind == DONE and n not in (0, 1):
+        raise RewardServiceError(f"malformed request: end message with flag {n}")
 
 
 @dataclass

@@ -14,10 +14,16 @@ changes (an RNG snapshot, an attempt) briefly leave SWMR mode and re-enter it.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import io
 import json
 import os
+import re
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -54,6 +60,51 @@ class RunFileError(Exception):
     """A run file that is missing, unreadable or not in this schema (one-line message)."""
 
 
+RNG_NAME = re.compile(r"^step_(\d+)$")
+# A SWMR reader retries a metadata read that fails its checksum (the writer may be mid-flush).
+# HDF5's default, 100 attempts backing off towards an hour in all, turns a damaged file into a
+# hang; 30 attempts back off for about a second.
+SWMR_READ_ATTEMPTS = 30
+MAX_ROWS = 10_000_000  # per metric or event table: far more than any run writes, far less than RAM
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an error; for HDF5's multi-line write errors, the system's reason."""
+    reason = re.search(r"error message = '([^']*)'", str(e))
+    if reason:
+        return f"{type(e).__name__}: {reason.group(1)}"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+@functools.lru_cache(maxsize=None)
+def _hdf5_c_function(name: str):
+    """A function of the HDF5 library that h5py runs on (found through /proc/self/maps), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libhdf5" in line and "hdf5_hl" not in line}
+        for lib in sorted(libs):
+            fn = getattr(ctypes.CDLL(lib), name, None)  # already loaded: the same library h5py uses
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+                return fn
+    except OSError:
+        pass
+    return None
+
+
+def open_swmr_reader(path: str) -> h5py.File:
+    """Open for SWMR reading without a file lock and with a bounded number of metadata read
+    attempts (where the HDF5 library can be reached), so that a damaged file fails fast."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, True)
+    set_attempts = _hdf5_c_function("H5Pset_metadata_read_attempts")
+    if set_attempts is not None:
+        set_attempts(fapl.id, SWMR_READ_ATTEMPTS)
+    return h5py.File(h5py.h5f.open(os.fsencode(path), h5py.h5f.ACC_RDONLY | h5py.h5f.ACC_SWMR_READ, fapl=fapl))
+
+
 def is_perf_key(key: str) -> bool:
     return key.startswith("perf/")
 
@@ -69,7 +120,7 @@ def _clear_swmr_flags(path: str) -> None:
     except (FileNotFoundError, subprocess.TimeoutExpired, OSError):
         pass
     tmp = path + ".recover"
-    with h5py.File(path, "r", libver="latest", swmr=True) as src, h5py.File(tmp, "w", libver="latest") as dst:
+    with open_swmr_reader(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
         for k, v in src.attrs.items():
             dst.attrs[k] = v
         for name in src:
@@ -77,35 +128,82 @@ def _clear_swmr_flags(path: str) -> None:
     os.replace(tmp, path)
 
 
+def _writes(method):
+    """A failed write (full disk, read-only file system, damaged file) is a RunFileError naming
+    the file; rows written before it stay readable."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (RunFileError, AssertionError):
+            raise
+        except Exception as e:  # noqa: BLE001 - h5py raises OSError, RuntimeError, KeyError, ...
+            self._failed = True
+            _release_quietly(e)
+            raise RunFileError(f"{self.path}: cannot write the run file ({_one_line(e)})") from None
+
+    return wrapper
+
+
+def _release_quietly(e: BaseException) -> None:
+    """Free what the failed call held (its frames' h5py objects) now, with stderr captured:
+    after a failed write h5py reports every object it cannot release on stderr, a traceback
+    each, and the RunFileError has said it already."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        traceback.clear_frames(e.__traceback__)
+
+
+def _check_space(path: str, nbytes: int) -> None:
+    """HDF5 can crash rather than fail when a flush that creates objects meets a full disk:
+    refuse such a change unless twice its size and 256 KiB are free."""
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    free = st.f_bavail * st.f_frsize
+    if free < 2 * nbytes + (256 << 10):
+        raise RunFileError(f"{path}: cannot write the run file (only {free >> 10} KiB free on its file system)")
+
+
 class RunFileWriter:
-    """Rank 0's writer. Opens (or creates) RUN_DIR/run.h5 and keeps it in SWMR mode."""
+    """Rank 0's writer. Opens (or creates) RUN_DIR/run.h5 and keeps it in SWMR mode. An existing
+    file is validated against the schema (read_run) before anything is written to it."""
 
     def __init__(self, path: str, config_json: str, version: str):
         self.path = path
-        existed = os.path.exists(path)
-        if existed:
-            self._f = self._open_existing()
-            stored = self._f.attrs.get("schema")
-            if stored != SCHEMA:
-                self._f.close()
-                raise RunFileError(f"{path}: schema {stored!r}, this hpcnft writes schema {SCHEMA}")
-            self._f.attrs["config"] = config_json
-        else:
-            self._f = h5py.File(path, "w", libver="latest")
-            self._f.attrs["schema"] = SCHEMA
-            self._f.attrs["hpcnft_version"] = version
-            self._f.attrs["config"] = config_json
-            self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        self._ensure_structure()
-        self._f.flush()
-        self._f.swmr_mode = True
+        self._f = None
+        self._failed = False
+        try:
+            if os.path.lexists(path):
+                read_run(path)  # RunFileError for anything but a readable run file of this schema
+                _check_space(path, 0)
+                self._f = self._open_existing()
+                self._f.attrs["config"] = config_json
+            else:
+                _check_space(path, 0)
+                self._f = h5py.File(path, "w", libver="latest")
+                self._f.attrs["schema"] = SCHEMA
+                self._f.attrs["hpcnft_version"] = version
+                self._f.attrs["config"] = config_json
+                self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            self._ensure_structure()
+            self._f.flush()
+            self._f.swmr_mode = True
+        except Exception as e:  # noqa: BLE001
+            if self._f is not None:
+                try:
+                    self._f.close()
+                except Exception:  # noqa: BLE001
+                    pass
+            if isinstance(e, RunFileError):
+                raise
+            _release_quietly(e)
+            raise RunFileError(f"{path}: cannot open the run file for writing ({_one_line(e)})") from None
 
     def _open_existing(self) -> h5py.File:
         try:
             return h5py.File(self.path, "a", libver="latest")
         except OSError as e:
             if "already open for write" not in str(e):
-                raise RunFileError(f"{self.path}: cannot open run file for writing: {e}") from None
+                raise RunFileError(f"{self.path}: cannot open run file for writing: {_one_line(e)}") from None
         _clear_swmr_flags(self.path)
         return h5py.File(self.path, "a", libver="latest")
 
@@ -121,7 +219,8 @@ class RunFileWriter:
             f.require_group(g)
 
     # -- structural changes (leave SWMR briefly) ---------------------------------------
-    def _restructure(self):
+    def _restructure(self, nbytes: int = 0):
+        _check_space(self.path, nbytes)
         self._f.flush()
         self._f.close()
         for attempt in range(50):  # a reader that took a lock (h5dump, say) holds it briefly
@@ -136,6 +235,7 @@ class RunFileWriter:
         self._f.flush()
         self._f.swmr_mode = True
 
+    @_writes
     def set_topology(self, attrs: Mapping[str, object]) -> None:
         self._restructure()
         topo = self._f["topology"]
@@ -145,6 +245,7 @@ class RunFileWriter:
             topo.attrs[k] = _attr_value(v)
         self._resume_swmr()
 
+    @_writes
     def add_attempt(self, attrs: Mapping[str, object]) -> int:
         self._restructure()
         att = self._f["attempts"]
@@ -155,8 +256,9 @@ class RunFileWriter:
         self._resume_swmr()
         return n
 
+    @_writes
     def write_rng(self, step: int, states: Mapping[int, bytes]) -> None:
-        self._restructure()
+        self._restructure(sum(len(b) for b in states.values()))
         name = f"rng/step_{step}"
         if name in self._f:
             del self._f[name]
@@ -165,6 +267,7 @@ class RunFileWriter:
             g.create_dataset(f"rank_{rank}", data=np.frombuffer(blob, dtype=np.uint8))
         self._resume_swmr()
 
+    @_writes
     def drop_rng_after(self, step: int) -> None:
         later = [n for n in self._f["rng"] if int(n.split("_")[1]) > step]
         if not later:
@@ -175,6 +278,7 @@ class RunFileWriter:
         self._resume_swmr()
 
     # -- appends (SWMR-safe) -------------------------------------------------------------
+    @_writes
     def append_metrics(self, step: int, values: Mapping[str, float]) -> None:
         for key, value in values.items():
             ds = self._f[f"metrics/{key}"]
@@ -184,6 +288,7 @@ class RunFileWriter:
             ds.flush()
         self._f.flush()
 
+    @_writes
     def event(self, step: int, kind: str, text: str) -> None:
         assert kind in EVENT_KINDS, kind
         ds = self._f["events"]
@@ -193,6 +298,7 @@ class RunFileWriter:
         ds.flush()
         self._f.flush()
 
+    @_writes
     def truncate_after(self, step: int, inclusive_keys: tuple[str, ...] = ()) -> int:
         """Drop metric rows with step > `step` (>= `step` for `inclusive_keys`); returns how
         many rows were dropped."""
@@ -210,14 +316,26 @@ class RunFileWriter:
         self._f.flush()
         return dropped
 
+    @_writes
     def last_step(self) -> int:
         ds = self._f["metrics/train/nft_loss"]
         return int(ds[-1, 0]) if ds.shape[0] else 0
 
     def close(self) -> None:
-        if self._f.id.valid:
+        if self._f is None or not self._f.id.valid:
+            return
+        try:
             self._f.flush()
-            self._f.close()
+        except Exception as e:  # noqa: BLE001 - closing still releases the file
+            self._failed = True
+            _release_quietly(e)
+            raise RunFileError(f"{self.path}: cannot write the run file ({_one_line(e)})") from None
+        finally:
+            with contextlib.redirect_stderr(io.StringIO()) if self._failed else contextlib.nullcontext():
+                try:
+                    self._f.close()
+                except Exception:  # noqa: BLE001
+                    pass
 
 
 def _attr_value(v):
@@ -244,29 +362,53 @@ class RunData:
 
 
 def open_for_reading(path: str) -> h5py.File:
+    """Open a run file read-only, without a file lock (a reader must never block the writer's
+    brief reopen): a plain read when the file is closed, a SWMR read while a writer has it."""
     if not os.path.exists(path):
         raise RunFileError(f"{path}: no such run file")
-    try:
-        # No file lock: a reader must never block the writer's brief reopen (SWMR needs none).
-        return h5py.File(path, "r", libver="latest", swmr=True, locking=False)
-    except OSError:
-        pass
+    if not os.path.isfile(path):
+        raise RunFileError(f"{path}: not a regular file")  # a FIFO would block the reader
     try:
         return h5py.File(path, "r", locking=False)
-    except OSError as e:
-        raise RunFileError(f"{path}: not an HDF5 run file ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001
+        first = _one_line(e)
+    if "already open for write" in first:
+        try:
+            return open_swmr_reader(path)
+        except Exception as e:  # noqa: BLE001
+            first = _one_line(e)
+    raise RunFileError(f"{path}: not an HDF5 run file ({first})")
 
 
-def _walk_metrics(group: h5py.Group, prefix: str, out: dict[str, np.ndarray]) -> None:
+def _walk_metrics(group: h5py.Group, prefix: str, out: dict[str, np.ndarray], path: str) -> None:
     for name, obj in group.items():
         key = f"{prefix}{name}"
         if isinstance(obj, h5py.Group):
-            _walk_metrics(obj, key + "/", out)
-        else:
+            _walk_metrics(obj, key + "/", out, path)
+        elif isinstance(obj, h5py.Dataset):
             if obj.ndim != 2 or obj.shape[1] != 2 or obj.dtype.kind != "f":
-                raise RunFileError(f"metric {key!r} has shape {obj.shape} dtype {obj.dtype}, expected (n, 2) float")
-            obj.refresh() if hasattr(obj, "refresh") else None
+                raise RunFileError(f"{path}: metric {key!r} has shape {obj.shape} dtype {obj.dtype}, expected (n, 2) float")
+            if obj.shape[0] > MAX_ROWS:
+                raise RunFileError(f"{path}: metric {key!r} has {obj.shape[0]} rows, more than {MAX_ROWS}")
+            _refresh(obj)
             out[key] = np.asarray(obj[()], dtype=np.float64)
+        else:
+            raise RunFileError(f"{path}: metric {key!r} is not a dataset")
+
+
+def _refresh(ds: h5py.Dataset) -> None:
+    if ds.file.swmr_mode:
+        ds.refresh()
+
+
+def _group(f: h5py.File, name: str, path: str) -> h5py.Group | None:
+    """f[name] when it is a group, None when absent; RunFileError when it is something else."""
+    if name not in f:
+        return None
+    obj = f[name]
+    if not isinstance(obj, h5py.Group):
+        raise RunFileError(f"{path}: {name!r} is not a group")
+    return obj
 
 
 def read_run(path: str) -> RunData:
@@ -276,36 +418,50 @@ def read_run(path: str) -> RunData:
     f = open_for_reading(path)
     try:
         attrs = {k: _decode(v) for k, v in f.attrs.items()}
-        if attrs.get("schema") != SCHEMA:
-            raise RunFileError(f"{path}: not an hpcnft run file of schema {SCHEMA} (schema={attrs.get('schema')!r})")
+        schema = attrs.get("schema")
+        if not (isinstance(schema, int) and schema == SCHEMA):
+            raise RunFileError(f"{path}: not an hpcnft run file of schema {SCHEMA} (schema={schema!r})"[:300])
         try:
             config = json.loads(attrs.get("config", "{}"))
-        except (json.JSONDecodeError, TypeError):
+        except (json.JSONDecodeError, TypeError, RecursionError):
             raise RunFileError(f"{path}: root attribute 'config' is not valid JSON") from None
-        if "metrics" not in f or not isinstance(f["metrics"], h5py.Group):
+        if not isinstance(config, dict):
+            raise RunFileError(f"{path}: root attribute 'config' is not a JSON object")
+        metrics_group = _group(f, "metrics", path)
+        if metrics_group is None:
             raise RunFileError(f"{path}: no 'metrics' group")
         metrics: dict[str, np.ndarray] = {}
-        _walk_metrics(f["metrics"], "", metrics)
-        topology = {k: _decode(v) for k, v in f["topology"].attrs.items()} if "topology" in f else {}
+        _walk_metrics(metrics_group, "", metrics, path)
+        topo = _group(f, "topology", path)
+        topology = {k: _decode(v) for k, v in topo.attrs.items()} if topo is not None else {}
         attempts = []
-        if "attempts" in f:
-            for name in sorted(f["attempts"], key=lambda s: int(s) if s.isdigit() else 1 << 30):
-                attempts.append({"n": name, **{k: _decode(v) for k, v in f["attempts"][name].attrs.items()}})
+        att = _group(f, "attempts", path)
+        for name in sorted(att or [], key=lambda s: int(s) if s.isdigit() else 1 << 30):
+            attempts.append({"n": name, **{k: _decode(v) for k, v in att[name].attrs.items()}})
         events = []
         if "events" in f:
             ds = f["events"]
-            ds.refresh() if hasattr(ds, "refresh") else None
-            if ds.dtype.names != EVENT_DTYPE.names:
-                raise RunFileError(f"{path}: 'events' has fields {ds.dtype.names}, expected {EVENT_DTYPE.names}")
+            if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype.names != EVENT_DTYPE.names:
+                raise RunFileError(f"{path}: 'events' is not a table of {EVENT_DTYPE.names}")
+            if ds.shape[0] > MAX_ROWS:
+                raise RunFileError(f"{path}: 'events' has {ds.shape[0]} rows, more than {MAX_ROWS}")
+            _refresh(ds)
             for row in ds[()]:
                 events.append({"step": int(row["step"]), "time": float(row["time"]),
                                "kind": row["kind"].decode(errors="replace"),
                                "text": row["text"].decode(errors="replace")})
-        rng_steps = sorted(int(n.split("_")[1]) for n in f["rng"]) if "rng" in f else []
+        rng = _group(f, "rng", path)
+        rng_steps = []
+        for name in rng or []:
+            m = RNG_NAME.match(name)
+            if m is None:
+                raise RunFileError(f"{path}: unexpected {'rng/' + name!r}"[:300])
+            rng_steps.append(int(m.group(1)))
+        rng_steps.sort()
     except RunFileError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as e:
-        raise RunFileError(f"{path}: unreadable run file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged file raises anything from h5py
+        raise RunFileError(f"{path}: unreadable run file ({_one_line(e)})"[:500]) from None
     finally:
         f.close()
     return RunData(path, attrs, config, metrics, topology, attempts, events, rng_steps)

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcnft import checkpoint, determinism, distributed
+from hpcnft import checkpoint, determinism, distributed, fast
 from hpcnft.config import Config, ConfigError, differing_keys, flatten
 from hpcnft.launch import LaunchInfo
 from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, hpcnft_version, log,
@@ -51,7 +51,8 @@ def make_score_fn(cfg: Config, scorer: PickScoreScorer):
 
 def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
     paths = resolve_model_paths(cfg)
-    return PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
+    scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
+    return fast.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
 
 
 def comm_device(topo) -> torch.device:
@@ -82,6 +83,7 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
     seed_everything(cfg)
     paths = resolve_model_paths(cfg)
     pipe = load_sd3_pipeline(paths.sd3, torch.float32, topo.device)
+    fast.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, perf.vae_channels_last
     if topo.device.type == "cuda" and cfg.train.precision != "fp32":
         dtype = torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16
         for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
@@ -172,17 +174,23 @@ class TrainJob:
 
     def save_checkpoint(self, step: int) -> None:
         cfg, tr, topo = self.cfg, self.tr, self.topo
-        tmp = checkpoint.save(cfg.run_dir, step, tr.policy, tr.trainer.optimizer, self.group, topo.rank == 0,
-                              topo.rank, determinism.capture_rng_state())
-        tr.client.snapshot(step)  # the reward rank's RNG state, into the same checkpoint
-        if self.group is not None:
-            dist.barrier(group=self.group)
-        if self.writer:
-            states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
-            self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
-            state = checkpoint.TrainState(step, step * cfg.rollout.prompts_per_step, tr.trainer.scaler.state_dict())
-            final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
-            self.writer.event(step, "checkpoint", final)
+        try:
+            tmp = checkpoint.save(cfg.run_dir, step, tr.policy, tr.trainer.optimizer, self.group, topo.rank == 0,
+                                  topo.rank, determinism.capture_rng_state())
+            tr.client.snapshot(step)  # the reward rank's RNG state, into the same checkpoint
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            if self.writer:
+                states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
+                self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
+                state = checkpoint.TrainState(step, step * cfg.rollout.prompts_per_step,
+                                              tr.trainer.scaler.state_dict())
+                final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
+                self.writer.event(step, "checkpoint", final)
+        except BaseException:
+            if topo.rank == 0:  # a failed checkpoint leaves no .partial behind; older ones stay
+                checkpoint.discard_partial(cfg.run_dir, step)
+            raise
         if self.group is not None:
             dist.barrier(group=self.group)
 
@@ -265,7 +273,7 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
-    os.umask(os.umask(0) | 0o077)  # run dirs, logs and checkpoints are private to the user
+    os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
     topo, group, mesh = distributed.setup(cfg, info)
     agree_run_dir(cfg, recipe, topo)
     setup_logging(cfg.run_dir, topo.rank)

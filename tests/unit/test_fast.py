@@ -1,0 +1,98 @@
+"""The perf levers of hpcnft.fast on the CPU with the tiny shapes: what each promises about the
+numerics (bit for bit, or close), and the guards (deterministic mode, dispatch modes)."""
+import dataclasses
+
+import pytest
+import torch
+
+from hpcnft import bench, fast
+
+
+@pytest.fixture
+def stacks():
+    made = []
+
+    def make(over=None):
+        s = bench.HpcnftStack("t", "t", bench.tiny_shapes(), torch.device("cpu"), dict(over or {}))
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        s.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    bench._MESH.clear()
+
+
+def _train_metrics(stack, seed_b: bool = True):
+    fn, ctx, _ = stack.train_pairs(4)
+    if seed_b:  # peft starts B at zero: give the adapters something to merge
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in fast.lora_layers(stack.policy.transformer):
+                w = layer.lora_B["default"].weight
+                w = w.to_local() if hasattr(w, "to_local") else w
+                w.copy_(torch.randn(w.shape, generator=g) * 0.02)
+        stack.policy.shadow = [p.detach().clone() if not hasattr(p, "to_local") else p.to_local().detach().clone()
+                               for p in stack.policy.trainable]
+    with ctx():
+        fn()
+    return stack.last_metrics
+
+
+def test_skip_single_rank_fsdp_is_bit_for_bit(stacks):
+    a = _train_metrics(stacks())
+    b = _train_metrics(stacks({"perf.skip_single_rank_fsdp": True}))
+    assert a == b
+
+
+def test_merged_lora_matches_and_restores_the_base_bitwise(stacks):
+    s = stacks({"perf.skip_single_rank_fsdp": True})
+    _train_metrics(s)  # seeds B and takes one step
+    policy = s.policy
+    x = torch.randn(4, 16, 8, 8)
+    sig = s.sigmas[2].expand(4)
+    pe, pooled = s._cond(4)
+    from hpcnft.sampler import velocity
+
+    base = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if not p.requires_grad}
+    with torch.no_grad(), policy.old_weights():
+        unmerged = velocity(policy.transformer, x, sig, pe, pooled, torch.float32)
+    policy.cfg.perf.merge_lora_nograd = True
+    with torch.no_grad(), policy.old_weights():
+        assert not any(p.requires_grad for p in policy.trainable)  # adapters off inside
+        merged = velocity(policy.transformer, x, sig, pe, pooled, torch.float32)
+    assert all(p.requires_grad for p in policy.trainable)
+    after = {n: p.detach() for n, p in policy.transformer.named_parameters() if n in base}
+    assert all(torch.equal(base[n], after[n]) for n in base)
+    torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_old_pass_matches_per_micro_batch(stacks):
+    a = _train_metrics(stacks({"perf.skip_single_rank_fsdp": True}))
+    b = _train_metrics(stacks({"perf.skip_single_rank_fsdp": True, "perf.old_pass_batch": 8}))
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-9), k
+
+
+def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
+    from hpcnft.config import Config
+
+    cfg = Config()
+    cfg.perf = dataclasses.replace(cfg.perf, compile_blocks=True, attention_backend="flash", merge_lora_nograd=True)
+    cfg.determinism.enabled = True
+    eff = fast.effective(cfg)
+    assert not eff.compile_blocks and eff.attention_backend == "default" and eff.merge_lora_nograd
+    cfg.determinism.enabled = False
+    assert fast.effective(cfg).compile_blocks
+
+
+def test_compiled_blocks_step_aside_under_a_dispatch_mode():
+    """FlopCounterMode around a compiled block would make dynamo skip its code for good."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    call = fast._CompiledCall(lambda x: ("eager", x), lambda x: ("compiled", x))
+    assert call(1) == ("compiled", 1)
+    with FlopCounterMode(display=False):
+        assert call(1) == ("eager", 1)
+    assert call(2) == ("compiled", 2)
