@@ -274,6 +274,13 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
+    try:
+        # The tiny models are built (once, under a file lock) before the process group exists:
+        # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
+        resolve_model_paths(cfg)
+    except BAD_INPUT as e:
+        print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
+        return EXIT_BAD_INPUT
     topo, group, mesh = distributed.setup(cfg, info)
     agree_run_dir(cfg, recipe, topo)
     setup_logging(cfg.run_dir, topo.rank)

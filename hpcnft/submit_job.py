@@ -43,6 +43,10 @@ class HpcnftJob(submitit.helpers.Checkpointable):
             # (it does so on global rank 0 and exits; the other ranks just return).
             if callable(submitit_handler):
                 submitit_handler(signal.SIGUSR2, None)
+            if int(os.environ.get("RANK", "0")) != 0 and os.environ.get("SUBMITIT_EXECUTOR") != "debug":
+                # No result for a task of a requeued job: submitit saves whatever __call__ returns
+                # as the task's final result, and SystemExit is not caught by it.
+                raise SystemExit(code)
             return code
         if code != EXIT_OK:
             raise RankFailed(f"rank {os.environ.get('RANK')} of the hpcnft job exited {code}; "

@@ -425,6 +425,10 @@ def ensure_tiny_models(cache_dir: str) -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(done):
             build_tiny_models(cache_dir)
+            from hpcnft.models import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
+
+            check_folder("models.sd3_dir", paths[0], SD3_REQUIRED)  # never mark a partial build done
+            check_folder("models.pickscore_dir", paths[1], PICKSCORE_REQUIRED)
             with open(done, "w") as f:
                 f.write(tree_digest(paths[0]) + " " + tree_digest(paths[1]) + "\n")
     return paths

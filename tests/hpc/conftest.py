@@ -246,3 +246,18 @@ def mpi_available(slurm_cluster):
     except ImportError:
         pytest.skip("mpi4py not installed")
     return True
+
+
+@pytest.fixture(scope="session")
+def hpcnft_cache(tmp_path_factory):
+    """One HPCNFT_CACHE for the whole session, so the tiny models are built once: the jobs
+    inherit it (sbatch --export=ALL, submitit, srun and mpirun pass the environment on).
+    An HPCNFT_CACHE already set (by the user or another fixture) is kept."""
+    old = os.environ.get("HPCNFT_CACHE")
+    path = old or str(tmp_path_factory.mktemp("hpcnft-cache"))
+    os.environ["HPCNFT_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("HPCNFT_CACHE", None)
+    else:
+        os.environ["HPCNFT_CACHE"] = old
