@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -214,10 +213,11 @@ def clip_processor():
         from transformers import AutoProcessor
 
         from hpcnft.models import quiet_libraries
-        from hpcnft.tiny import default_cache_dir, ensure_tiny_models
+        from hpcnft.tiny import ensure_tiny_models
+        from hpcnft.tiny_cache import cache_dir
 
         quiet_libraries()
-        _, ps = ensure_tiny_models(default_cache_dir())
+        _, ps = ensure_tiny_models(cache_dir())
         _PROCESSOR.append(AutoProcessor.from_pretrained(ps, local_files_only=True))
     return _PROCESSOR[0]
 

@@ -18,7 +18,6 @@ import tempfile
 import torch
 
 from hpcnft.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
-from hpcnft.tiny_cache import cache_dir as default_cache_dir  # noqa: F401 - used by hpcnft.bench
 # ----------------------------------------------------------------------------------------
 # Prompt corpus used to train the tiny tokenizers (and as demo prompts).
 # ----------------------------------------------------------------------------------------
