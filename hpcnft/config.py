@@ -162,6 +162,11 @@ class PerfConfig:
     skip_single_rank_fsdp: bool = False  # one-rank train mesh: plain module, no FSDP2 wrapping
     merge_lora_nograd: bool = False  # rollout and v_old on W + s*B@A merged into the base weights
     old_pass_batch: int = 0  # v_old for all of a step's pairs in passes of this size (0: per micro-batch)
+    fuse_qkv: bool = False  # no-grad passes on merged weights: q, k, v (and the context's) from one GEMM
+    fused_lora: bool = False  # trained forward: q, k, v from one base GEMM and one LoRA-A GEMM per stream
+    overlap_reward: bool = False  # world 1: PickScore in a worker thread while the next chunk samples
+    compile_vae: bool = False  # torch.compile of the VAE decoder (GPU)
+    cudnn_benchmark: bool = False  # cuDNN picks convolution algorithms by timing (VAE)
 
 
 @dataclass
@@ -423,3 +428,8 @@ def validate(cfg: Config) -> None:
                           "samples of a step")
     if not cfg.train.lora_targets and cfg.train.finetune == "lora":
         raise ConfigError("train.lora_targets: empty, LoRA would train nothing")
+    if cfg.perf.fused_lora and cfg.train.finetune != "lora":
+        raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
+    if cfg.perf.fuse_qkv and cfg.train.finetune == "lora" and not cfg.perf.merge_lora_nograd:
+        raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
+                          "(the fused projections hold the merged weights)")

@@ -11,13 +11,19 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.vae_dtype | VAE decode in fp16/bf16 instead of the loaded fp32 (helper: `prepare_vae`) | half-precision decode |
 | perf.vae_channels_last | VAE decode in channels-last memory format (helper: `prepare_vae`) | conv algorithm choice |
 | perf.pickscore_dtype | PickScore towers in fp16, embeddings and the score in fp32 (helper: `prepare_scorer`) | fp16 towers |
+| perf.fuse_qkv | the no-grad passes compute q, k, v (and the text stream's) with one GEMM on concatenated weights (`hpcnft.fused_qkv`); LoRA needs merge_lora_nograd | one GEMM's rounding instead of three |
+| perf.fused_lora | the trained forward computes a stream's q, k, v with one frozen base GEMM on concatenated weights and one GEMM on the concatenated LoRA A matrices (`hpcnft.fused_qkv`); not under FSDP2 per-linear groups | GEMM rounding |
+| perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |
+| perf.compile_vae | torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only | fused kernels round differently |
+| perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
 (skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
-pickscore_dtype)
-and turns off `compile_blocks` (Inductor autotunes reduction configs by timing, so the kernel,
-and with it the summation order, may differ between runs) and `attention_backend` (PyTorch then
-selects the SDPA kernel under its own deterministic-algorithm rules): see `effective`.
+pickscore_dtype, fuse_qkv, fused_lora, overlap_reward)
+and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
+so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
+(the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under
+its own deterministic-algorithm rules): see `effective`.
 
 `FAST` is the combination `hpcnft bench` measures as "hpcnft fast"; `hpcnft bench --shapes
 sd35m --baseline --levers all` prints what each lever gives alone and together. Measured on one
@@ -38,15 +44,22 @@ FAST = {
     "perf.compile_blocks": True,
     "perf.skip_single_rank_fsdp": True,
     "perf.merge_lora_nograd": True,
-    "perf.old_pass_batch": 16,
+    "perf.fuse_qkv": True,
+    "perf.fused_lora": True,
+    "perf.overlap_reward": True,
+    "perf.cudnn_benchmark": True,
+    "perf.old_pass_batch": 32,
     "perf.vae_dtype": "fp16",
     "perf.pickscore_dtype": "fp16",
-    "rollout.batch_size": 16,
-    "train.micro_batch": 16,
+    # Larger batches halve the kernel launches per sample: at 16 the train step is bound by the
+    # CPU launching kernels (the GPU idles ~27 % of it).
+    "rollout.batch_size": 32,
+    "train.micro_batch": 32,
     "train.grad_checkpointing": False,
 }
-CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend")
-DETERMINISM_OFF = ("compile_blocks", "attention_backend")
+CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend", "perf.compile_vae", "perf.cudnn_benchmark")
+DETERMINISM_OFF = {"compile_blocks": False, "compile_vae": False, "cudnn_benchmark": False,
+                   "attention_backend": "default"}
 
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -56,7 +69,7 @@ def effective(cfg):
     """The perf settings in force: `cfg.perf` with the levers deterministic mode excludes off."""
     perf = cfg.perf
     if getattr(cfg, "determinism", None) is not None and cfg.determinism.enabled:
-        perf = dataclasses.replace(perf, compile_blocks=False, attention_backend="default")
+        perf = dataclasses.replace(perf, **DETERMINISM_OFF)
     return perf
 
 
@@ -124,14 +137,18 @@ def _in_dispatch_mode() -> bool:
         return is_in_torch_dispatch_mode()
 
 
+def compile_module(module) -> None:
+    """What nn.Module.compile does (static shapes), behind the dispatch-mode guard above."""
+    module._compiled_call_impl = _CompiledCall(module._call_impl, torch.compile(module._call_impl, dynamic=False))
+
+
 def compile_blocks(transformer) -> None:
     """Regional torch.compile: each DiT block compiled on its own (static shapes), the rest eager."""
     if getattr(transformer, "_hpcnft_compiled", False):
         return
     _raise_recompile_limits()
     for block in transformer.transformer_blocks:
-        # what nn.Module.compile does, behind the dispatch-mode guard above
-        block._compiled_call_impl = _CompiledCall(block._call_impl, torch.compile(block._call_impl, dynamic=False))
+        compile_module(block)
     transformer._hpcnft_compiled = True
 
 
@@ -144,8 +161,19 @@ def _nested_fsdp(block) -> bool:
 def prepare_policy(policy) -> None:
     """Construction-time levers of a Policy (called at the end of Policy.__init__)."""
     perf = effective(policy.cfg)
+    nested_fsdp = any(_nested_fsdp(b) for b in policy.transformer.transformer_blocks)
+    if perf.fused_lora:
+        if nested_fsdp:
+            # The fused path reads the LoRA weights directly, around FSDP2's per-linear unshard hooks.
+            logging.getLogger("hpcnft").warning(
+                "perf.fused_lora: skipped, the LoRA linears are FSDP2 groups; on one rank set "
+                "perf.skip_single_rank_fsdp=true")
+        else:
+            from hpcnft import fused_qkv
+
+            fused_qkv.install_fused_lora(policy.transformer)
     if perf.compile_blocks and policy.device.type == "cuda":
-        if any(_nested_fsdp(b) for b in policy.transformer.transformer_blocks):
+        if nested_fsdp:
             # A half-precision base puts each LoRA linear in its own FSDP2 group; dynamo breaks the
             # graph at every one of their hooks (~16 per block), so compiling would gain nothing.
             logging.getLogger("hpcnft").warning(
@@ -179,6 +207,20 @@ def lora_layers(module):
     from peft.tuners.lora import LoraLayer
 
     return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+@contextlib.contextmanager
+def nograd_weights(policy):
+    """The levers of the old policy's no-grad passes (rollout, v_old): LoRA merged into the base
+    (perf.merge_lora_nograd), then q/k/v fused on those weights (perf.fuse_qkv)."""
+    from hpcnft import fused_qkv
+
+    with merged_lora(policy):
+        if effective(policy.cfg).fuse_qkv:
+            with fused_qkv.fused(policy.transformer):
+                yield
+        else:
+            yield
 
 
 @contextlib.contextmanager
@@ -236,12 +278,20 @@ VAE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat
 
 
 def prepare_vae(vae, cfg):
-    """perf.vae_dtype (decode_to_uint8 casts the latents to the VAE's dtype) and channels-last
-    convolutions (NHWC, the tensor cores' native layout)."""
-    if cfg.perf.vae_dtype != "auto":
-        vae.to(VAE_DTYPES[cfg.perf.vae_dtype])
-    if cfg.perf.vae_channels_last:
+    """perf.vae_dtype (decode_to_uint8 casts the latents to the VAE's dtype), channels-last
+    convolutions (NHWC, the tensor cores' native layout), a compiled decoder, and cuDNN's
+    algorithm search (a process-wide switch; the VAE is what convolves)."""
+    perf = effective(cfg)
+    if perf.vae_dtype != "auto":
+        vae.to(VAE_DTYPES[perf.vae_dtype])
+    if perf.vae_channels_last:
         vae.to(memory_format=torch.channels_last)
+    on_gpu = next(vae.parameters()).device.type == "cuda"
+    if perf.cudnn_benchmark and on_gpu:
+        torch.backends.cudnn.benchmark = True
+    if perf.compile_vae and on_gpu and not getattr(vae.decoder, "_hpcnft_compiled", False):
+        compile_module(vae.decoder)
+        vae.decoder._hpcnft_compiled = True
     return vae
 
 

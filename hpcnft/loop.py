@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft import __version__, determinism, nft
+from hpcnft import determinism, nft
 from hpcnft.config import Config
 from hpcnft.distributed import Topology
 from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu
@@ -108,9 +108,10 @@ class TrainRank:
                 x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise)
                 images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
                 pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
-                x0s.append(x0.float().cpu())
-                pes.append(cond.prompt_embeds.cpu())
-                pools.append(cond.pooled.cpu())
+                # What training needs stays on the train device (no copies back per micro-batch).
+                x0s.append(x0.float())
+                pes.append(cond.prompt_embeds)
+                pools.append(cond.pooled)
                 imgs.append(images)
         t1 = time.perf_counter()
         rewards = torch.cat([self.client.collect(p) for p in pending])
@@ -121,9 +122,11 @@ class TrainRank:
         """All train ranks' values, in global sample order."""
         if self.group is None:
             return local
+        comm = self.topo.device if self.topo.backend == "nccl" else torch.device("cpu")  # NCCL: device tensors
+        local = local.to(comm).contiguous()
         parts = [torch.empty_like(local) for _ in self.topo.train_ranks]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts).cpu()
 
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
@@ -212,10 +215,6 @@ def print_err(line: str) -> None:
 
 def log_exception(topo: Topology, e: BaseException) -> None:
     log.error("%s\n%s", fail_line(topo, e), traceback.format_exc())
-
-
-def hpcnft_version() -> str:
-    return __version__
 
 
 def seed_everything(cfg: Config) -> None:

@@ -2,6 +2,7 @@
 against a matmul ceiling measured on this rank's device."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -9,23 +10,48 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 
+def time_calls(fn, device: torch.device, reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of `fn` (CUDA events on a GPU, wall clock elsewhere)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, n: int | None = None, warm: int = 3,
+                   reps: int | None = None) -> dict:
+    """Achieved FLOP/s of an n x n x n dense matmul: the median of `reps` timed calls after `warm`.
+    Returns {"flops_per_s", "n", "dtype", "s", "runs_s"}. Seeded inputs from a private generator,
+    so the global RNG streams are left alone."""
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    reps = reps or (10 if cuda else 3)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    for _ in range(warm):
+        a @ b
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = time_calls(lambda: a @ b, device, reps)
+    s = statistics.median(times)
+    return {"flops_per_s": 2 * n**3 / s, "n": n, "dtype": str(dtype).removeprefix("torch."), "s": s,
+            "runs_s": times}
+
+
 def matmul_ceiling(device: torch.device, dtype: torch.dtype) -> float:
-    """Achieved FLOP/s of a large dense matmul here: the denominator of MFU."""
-    n = 8192 if device.type == "cuda" else 1024
-    dtype = dtype if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=None)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    """Achieved FLOP/s of a large dense matmul here: the denominator of MFU (fp32 on a CPU)."""
+    return measure_matmul(device, dtype if device.type == "cuda" else torch.float32)["flops_per_s"]
 
 
 @dataclass

@@ -147,12 +147,21 @@ class RemoteRewardClient:
 
 
 class LocalRewardClient:
-    """World 1 (colocated): score in the training process, same interface."""
+    """World 1 (colocated): score in the training process, same interface. With `overlap`
+    (perf.overlap_reward) a chunk is scored in one worker thread while the caller goes on
+    sampling the next one: the CPU image preprocessing then hides behind the DiT's GPU work.
+    One worker scores the chunks in submission order with the same kernels, so the scores are
+    those of the synchronous path."""
 
-    def __init__(self, score_fn):
+    def __init__(self, score_fn, overlap: bool = False):
         self.score_fn = score_fn
         self.server_busy_s = self.server_idle_s = 0.0
         self.peer_preempt = False
+        self._pool = None
+        if overlap:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcnft-reward")
 
     def _timed(self, *args) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -161,16 +170,22 @@ class LocalRewardClient:
         return scores
 
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]):
+        if self._pool is not None:
+            return self._pool.submit(self._timed, kind, step, images, indices)
         return self._timed(kind, step, images, indices)
 
-    def collect(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores
+    def collect(self, pending) -> torch.Tensor:
+        if self._pool is not None:
+            return pending.result()  # re-raises the worker's exception here
+        return pending
 
     def snapshot(self, step: int) -> None:
         pass
 
     def finish(self, step: int = 0, preempted: bool = False) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def report_error(self, text: str) -> None:
         pass

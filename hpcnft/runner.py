@@ -9,10 +9,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcnft import checkpoint, determinism, distributed, fast
+from hpcnft import __version__, checkpoint, determinism, distributed, fast
 from hpcnft.config import Config, ConfigError, differing_keys, flatten
 from hpcnft.launch import LaunchInfo
-from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, hpcnft_version, log,
+from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
                          log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
 from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
 from hpcnft.preempt import PreemptFlag, requeue
@@ -83,13 +83,14 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
     seed_everything(cfg)
     paths = resolve_model_paths(cfg)
     pipe = load_sd3_pipeline(paths.sd3, torch.float32, topo.device)
-    fast.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, perf.vae_channels_last
+    fast.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.device.type == "cuda" and cfg.train.precision != "fp32":
         dtype = torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16
         for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
             enc.to(dtype)
     if topo.role == "colocated":
-        client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)))
+        client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
+                                   overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
         client = RemoteRewardClient(topo.reward_rank_for(topo.rank), comm_device(topo), cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
@@ -150,7 +151,7 @@ class TrainJob:
         from hpcnft.runfile import EVAL_KEYS, RunFileWriter
 
         cfg, topo = self.cfg, self.topo
-        w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), hpcnft_version())
+        w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__)
         w.set_topology(topo.as_attrs())
         for text in self.warnings:
             w.event(start_step, "error", text)
@@ -196,7 +197,7 @@ class TrainJob:
 
     def stop_requested(self) -> bool:
         """Every train rank's flag and the reward rank's, agreed at the end of an iteration."""
-        local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)])
+        local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)], device=comm_device(self.topo))
         if self.group is not None:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         return bool(local.item())

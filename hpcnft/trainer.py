@@ -111,6 +111,11 @@ class Policy:
             for p in tr.parameters():
                 if not p.requires_grad:
                     p.data = p.data.to(self.compute_dtype)
+            # Under autocast the LoRA matmuls run in the compute dtype whatever the input's dtype:
+            # peft's cast of each activation to the fp32 master dtype would only add an exact
+            # round-trip copy (forward and backward) per LoRA linear.
+            for layer in fast.lora_layers(tr):
+                layer.cast_input_dtype_enabled = False
         if cfg.grad_checkpointing:
             tr.enable_gradient_checkpointing()
         tr.to(self.device)
@@ -135,7 +140,7 @@ class Policy:
             for p, s in zip(self.trainable, self.shadow):
                 _local(p).copy_(s)
         try:
-            with fast.merged_lora(self):  # perf.merge_lora_nograd (no-grad uses only)
+            with fast.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
                 yield
         finally:
             with torch.no_grad():
@@ -180,7 +185,10 @@ def pair_noise(cfg: Config, step: int, sid: int, sigma_index: int, shape) -> tor
 
 
 class Trainer:
-    METRIC_SUMS = ("loss", "pos", "neg", "r", "adv", "adv_abs", "t", "kl", "pairs")
+    # Sums of the step's metrics: those of device tensors are kept on the device (no sync per
+    # micro-batch), those of host tensors on the host.
+    DEVICE_SUMS = ("loss", "pos", "neg", "r", "t", "kl")
+    HOST_SUMS = ("adv", "adv_abs", "pairs")
 
     def __init__(self, cfg: Config, policy: Policy, train_group, num_train_ranks: int):
         self.cfg, self.policy = cfg, policy
@@ -228,7 +236,8 @@ class Trainer:
             with torch.no_grad(), policy.base_weights():
                 v_ref = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(len(self.METRIC_SUMS), dtype=torch.float64)
+        dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=policy.device)
+        host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
         # Gradient of the global mean over all pairs: FSDP averages over the train ranks.
         loss_norm = self.num_train_ranks / batch.n_global_pairs
         used_scale = self.scaler.scale
@@ -246,14 +255,18 @@ class Trainer:
                 total = per_pair + cfg.nft.kl_beta * kl
             (total.sum() * loss_norm * used_scale).backward()
             a = batch.adv[pos]
-            sums += torch.tensor([per_pair.detach().double().sum().item(), l_pos.detach().double().sum().item(),
-                                  l_neg.detach().double().sum().item(), r.double().sum().item(),
-                                  a.sum().item(), a.abs().sum().item(), sig.double().sum().item(),
-                                  kl.detach().double().sum().item(), float(len(pos))], dtype=torch.float64)
+            dev_sums += torch.stack([per_pair.detach().double().sum(), l_pos.detach().double().sum(),
+                                     l_neg.detach().double().sum(), r.double().sum(), sig.double().sum(),
+                                     kl.detach().double().sum()]).to(dev_sums.device)
+            host_sums += torch.tensor([a.sum().item(), a.abs().sum().item(), float(len(pos))], dtype=torch.float64)
         grad_norm, skipped = self._optimizer_step()
+        sums = torch.cat([dev_sums.cpu(), host_sums])
         if self.group is not None:
+            comm = policy.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+            sums = sums.to(comm)
             dist.all_reduce(sums, group=self.group)
-        return self._metrics(sums, grad_norm, skipped, used_scale)
+        return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
+                             used_scale)
 
     def _optimizer_step(self) -> tuple[float, bool]:
         params = self.policy.trainable
@@ -272,8 +285,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, skipped
 
-    def _metrics(self, sums: torch.Tensor, grad_norm: float, skipped: bool, scale: float) -> dict[str, float]:
-        s = dict(zip(self.METRIC_SUMS, sums.tolist()))
+    def _metrics(self, s: dict[str, float], grad_norm: float, skipped: bool, scale: float) -> dict[str, float]:
         n = s["pairs"]
         k = nft.num_trained_sigmas(self.cfg.rollout.num_steps, self.cfg.nft.timestep_fraction)
         out = {

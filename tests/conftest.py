@@ -3,8 +3,12 @@
 `tiny_models`: the tiny SD3.5 and PickScore folders (tiny_models.md), built once per session
 into a temporary folder with hpcnft.tiny.ensure_tiny_models (about 8 s on 2 cores, most of it
 the first import of diffusers/transformers; later builds in the same process take ~1 s).
+
+`hpcnft_cache`: one HPCNFT_CACHE for the session (tests/integration uses it for every test).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -15,3 +19,18 @@ def tiny_models(tmp_path_factory) -> tuple[str, str]:
     from hpcnft.tiny import ensure_tiny_models
 
     return ensure_tiny_models(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def hpcnft_cache(tmp_path_factory):
+    """One HPCNFT_CACHE for the whole session, so the tiny models are built once: the jobs
+    inherit it (subprocesses, sbatch --export=ALL, submitit, srun and mpirun pass the environment
+    on). An HPCNFT_CACHE already set (by the user or another fixture) is kept."""
+    old = os.environ.get("HPCNFT_CACHE")
+    path = old or str(tmp_path_factory.mktemp("hpcnft-cache"))
+    os.environ["HPCNFT_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("HPCNFT_CACHE", None)
+    else:
+        os.environ["HPCNFT_CACHE"] = old

@@ -17,23 +17,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def small_real_shapes():
-    from hpcnft import bench
+    from hpcnft.bench.shapes import sd35m_shapes
 
     # the SD3.5-M / SD3.5 VAE / CLIP-H shapes at 512 px, 4 samples x 2 steps, 4 pairs
-    return dataclasses.replace(bench.sd35m_shapes(), prompts=2, per_prompt=2, num_steps=2, rollout_batches=(4,),
+    return dataclasses.replace(sd35m_shapes(), prompts=2, per_prompt=2, num_steps=2, rollout_batches=(4,),
                                micro_batches=(4,), warm=0, reps=1)
 
 
 @pytest.mark.parametrize("levers", ["off", "fast"])
 def test_real_shape_iteration_runs(levers):
-    from hpcnft import bench, fast
+    from hpcnft import fast
+    from hpcnft.bench.shapes import _MESH
+    from hpcnft.bench.stack import HpcnftStack
 
     S = small_real_shapes()
     dev = torch.device("cuda", torch.cuda.current_device())
     over = {}
     if levers == "fast":
         over = dict(fast.FAST, **{"rollout.batch_size": 4, "train.micro_batch": 4, "perf.old_pass_batch": 4})
-    stack = bench.HpcnftStack("t", "t", S, dev, over)
+    stack = HpcnftStack("t", "t", S, dev, over)
     try:
         fn, ctx = stack.iteration()
         with ctx():
@@ -55,7 +57,7 @@ def test_real_shape_iteration_runs(levers):
         stack.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        bench._MESH.clear()
+        _MESH.clear()
 
 
 def hpcnft(*args, timeout=600):

@@ -2,7 +2,8 @@
 
 Every test under tests/hpc gets the `hpc` marker. Tests take the session fixture
 `slurm_cluster`, which skips them with the reason when no cluster answers, and use the helpers
-below (also available as methods of the fixture's value):
+below (also available as methods of the fixture's value). The session's HPCNFT_CACHE is the
+fixture `hpcnft_cache` of tests/conftest.py.
 
     job_id, state = sbatch_and_wait(script, env={"RECIPE": "tiny"}, args=["--gpus-per-task=0"],
                                     cwd=tmp_path, timeout=180)
@@ -20,6 +21,7 @@ returns up to tens of seconds late (hpc_notes.md §3.6).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shutil
@@ -242,22 +244,7 @@ def mpi_available(slurm_cluster):
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not installed (tools/local_slurm.sh installs Open MPI)")
     try:
-        import mpi4py  # noqa: F401
+        importlib.import_module("mpi4py")
     except ImportError:
         pytest.skip("mpi4py not installed")
     return True
-
-
-@pytest.fixture(scope="session")
-def hpcnft_cache(tmp_path_factory):
-    """One HPCNFT_CACHE for the whole session, so the tiny models are built once: the jobs
-    inherit it (sbatch --export=ALL, submitit, srun and mpirun pass the environment on).
-    An HPCNFT_CACHE already set (by the user or another fixture) is kept."""
-    old = os.environ.get("HPCNFT_CACHE")
-    path = old or str(tmp_path_factory.mktemp("hpcnft-cache"))
-    os.environ["HPCNFT_CACHE"] = path
-    yield path
-    if old is None:
-        os.environ.pop("HPCNFT_CACHE", None)
-    else:
-        os.environ["HPCNFT_CACHE"] = old

@@ -1,19 +1,10 @@
 """Fixtures for end-to-end runs of the tiny job (helpers live in jobs.py)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tiny_cache(tmp_path_factory):
-    """One tiny-model build per session, shared by every run."""
-    path = str(tmp_path_factory.mktemp("hpcnft-cache"))
-    old = os.environ.get("HPCNFT_CACHE")
-    os.environ["HPCNFT_CACHE"] = path
-    yield path
-    if old is None:
-        os.environ.pop("HPCNFT_CACHE", None)
-    else:
-        os.environ["HPCNFT_CACHE"] = old
+def tiny_cache(hpcnft_cache):
+    """Every run shares the session's HPCNFT_CACHE (tests/conftest.py): one tiny-model build."""
+    return hpcnft_cache

@@ -47,6 +47,26 @@ def test_bench_tiny_writes_every_phase_with_ratios(tmp_path):
     assert "| iteration |" in r.stdout and "fast vs eager" in r.stdout
 
 
+@pytest.mark.slow
+def test_bench_tiny_profile_writes_tables_and_a_summary(tmp_path):
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--iteration", "none", "--profile", prof, "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"], doc["errors"]
+    summary = doc["stacks"]["hpcnft_fast"]["profile"]
+    assert set(summary) == {"rollout_forward", "train_pairs"}
+    assert summary["rollout_forward"]["phase"] == "rollout_fwd_b8"
+    assert summary["train_pairs"]["phase"] == "train_pair_mb8"
+    for name, s in summary.items():
+        table = (prof / f"profile-{name}.txt").read_text()
+        assert "Self CPU" in table and "aten::" in table, table[:2000]
+        assert s["device"] == "cpu" and s["wall_s"] > 0 and s["cpu_self_time_s"] > 0, s
+        assert s["top_ops"] and all(o["self_s"] >= 0 and 0 <= o["share"] <= 1 for o in s["top_ops"]), s
+    assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::linear") for o in summary["rollout_forward"]["top_ops"])
+
+
 def test_bench_real_shapes_without_cuda_is_one_line_usage_error():
     r = hpcnft("bench", "--shapes", "sd35m", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2

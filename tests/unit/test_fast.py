@@ -5,7 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from hpcnft import bench, fast
+from hpcnft import fast
+from hpcnft.bench.shapes import _MESH, tiny_shapes
+from hpcnft.bench.stack import HpcnftStack
 
 
 @pytest.fixture
@@ -13,7 +15,7 @@ def stacks():
     made = []
 
     def make(over=None):
-        s = bench.HpcnftStack("t", "t", bench.tiny_shapes(), torch.device("cpu"), dict(over or {}))
+        s = HpcnftStack("t", "t", tiny_shapes(), torch.device("cpu"), dict(over or {}))
         made.append(s)
         return s
     yield make
@@ -21,7 +23,7 @@ def stacks():
         s.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    bench._MESH.clear()
+    _MESH.clear()
 
 
 def _train_metrics(stack, seed_b: bool = True):

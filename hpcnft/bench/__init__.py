@@ -1,0 +1,30 @@
+"""`hpcnft bench`: time, FLOPs and MFU of each phase of one DiffusionNFT iteration.
+
+Random weights at the real shapes (`--shapes sd35m`: the SD3.5-M DiT, the SD3.5 VAE and a
+PickScore-shaped CLIP-H; nothing is downloaded) or at the tiny shapes (`--shapes tiny`, runs on
+a CPU). Each phase is timed after warm-up (CUDA events on a GPU, the median of the repeats), its
+FLOPs counted by torch.utils.flop_counter.FlopCounterMode over the phase itself (run eagerly
+once), and its achieved TFLOP/s set against a dense fp16 matmul measured in the same process.
+
+Stacks, each measured in turn in this process:
+  eager          the plain diffusers + peft stack (fp16 DiT, LoRA r32, autocast, default SDPA)
+                 written out here without any package code (with --baseline);
+  hpcnft default the package's own path (Policy under FSDP2, Trainer.step, TrainRank.iteration,
+                 euler_sample, decode_to_uint8, PickScoreScorer) with every perf lever off;
+  hpcnft fast    the same path with the levers of hpcnft.fast.FAST (change with --set).
+`--levers` measures single levers against "hpcnft default", one at a time.
+
+Phases: rollout DiT forward (batch 8/16), VAE decode, PickScore of one iteration's images, the
+train pair (v_old + v_theta + backward through Trainer.step, micro-batch 4/16) and one whole
+iteration of the recipe (64 samples x 10 steps at 512 px, 64 decodes and PickScores, 576 pairs).
+`--profile DIR` adds a torch.profiler table and a kernel summary of the "hpcnft fast" rollout
+forward and train pairs.
+
+Modules: shapes (shapes, random-weight models), timing, eager (the baseline stack), stack (the
+package's path), levers, report, profiling, run (Bench and the command line).
+"""
+from __future__ import annotations
+
+from hpcnft.bench.run import Bench, add_arguments, main
+
+__all__ = ["Bench", "add_arguments", "main"]

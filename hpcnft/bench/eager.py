@@ -1,0 +1,219 @@
+"""The reference baseline: a plain diffusers + peft eager stack, written without package code."""
+from __future__ import annotations
+
+import contextlib
+
+from hpcnft.bench.shapes import (LORA_TARGETS, TRAIN_K, Shapes, _torch, build_clip, build_dit, build_vae,
+                                 clip_processor, prompt_list, random_images, scheduler)
+
+
+class EagerStack:
+    """What a plain diffusers + peft script does (the reference baseline), no package code."""
+
+    key, label = "eager", "plain diffusers + peft, eager"
+
+    def __init__(self, S: Shapes, dev):
+        torch = _torch()
+        self.S, self.dev = S, dev
+        self.dtype = torch.float16 if dev.type == "cuda" else torch.float32
+        self.mb = max(S.micro_batches)
+        self.rollout_batch = max(S.rollout_batches)
+        self.config = {"dtype": str(self.dtype), "rollout_batch": self.rollout_batch, "micro_batch": self.mb,
+                       "attention": "default SDPA", "tf32": dev.type == "cuda"}
+        self._dit = self._vae = self._clip = None
+        self.sigmas = None
+
+    # lazily built parts
+    @property
+    def dit(self):
+        if self._dit is None:
+            torch = _torch()
+            from peft import LoraConfig
+
+            dit = build_dit(self.S, self.dev).to(self.dtype).eval().requires_grad_(False)
+            dit.add_adapter(LoraConfig(r=self.S.lora_rank, lora_alpha=self.S.lora_alpha, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
+            for n, p in dit.named_parameters():
+                if "lora" in n:
+                    p.data = p.data.float()
+                    p.requires_grad_(True)
+            self.lora = [p for p in dit.parameters() if p.requires_grad]
+            self.opt = torch.optim.AdamW(self.lora, lr=3e-4, weight_decay=1e-4)
+            self._dit = dit
+            sched = scheduler()
+            sched.set_timesteps(self.S.num_steps)
+            self.sigmas = sched.sigmas.to(self.dev, torch.float32)
+        return self._dit
+
+    @property
+    def vae(self):
+        if self._vae is None:
+            self._vae = build_vae(self.S, self.dev).to(self.dtype)
+        return self._vae
+
+    @property
+    def clip(self):
+        if self._clip is None:
+            self._clip = build_clip(self.S, self.dev)  # fp32, as PickScore is usually run
+        return self._clip
+
+    def autocast(self):
+        torch = _torch()
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dev.type, dtype=self.dtype)
+
+    def _cond(self, n: int, seed: int = 0):
+        torch = _torch()
+        g = torch.Generator().manual_seed(seed)
+        pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g)
+        pooled = torch.randn(n, self.S.dit["pooled_projection_dim"], generator=g)
+        return pe.to(self.dev, self.dtype), pooled.to(self.dev, self.dtype)
+
+    def _latent(self, n: int, seed: int = 0):
+        torch = _torch()
+        g = torch.Generator().manual_seed(seed)
+        h = self.S.size // 8
+        return torch.randn(n, self.S.dit["in_channels"], h, h, generator=g).to(self.dev)
+
+    # rollout: the base DiT in fp16 (adapters off, as in the reference baseline)
+    def _velocity(self, x, sigma, pe, pooled):
+        return self.dit(hidden_states=x.to(self.dtype), timestep=sigma * 1000.0, encoder_hidden_states=pe,
+                        pooled_projections=pooled, return_dict=False)[0]
+
+    @contextlib.contextmanager
+    def rollout_mode(self):
+        self.dit.disable_adapters()
+        try:
+            yield
+        finally:
+            self.dit.enable_adapters()
+
+    def rollout_forward(self, b: int):
+        torch = _torch()
+        self.dit
+        x = self._latent(b)
+        s = self.sigmas[3].expand(b).contiguous()
+        pe, pooled = self._cond(b)
+
+        def fn():
+            with torch.no_grad():
+                self._velocity(x, s, pe, pooled)
+        return fn, self.rollout_mode
+
+    def _decode(self, latents):
+        torch = _torch()
+        vae = self.vae
+        with torch.no_grad():
+            z = latents.to(self.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+            img = vae.decode(z, return_dict=False)[0].float()
+            img = ((img / 2 + 0.5).clamp(0, 1) * 255.0).round().to(torch.uint8)
+            return img.permute(0, 2, 3, 1).contiguous().cpu()
+
+    def vae_decode(self, b: int):
+        latents = self._latent(b)
+        return (lambda: self._decode(latents)), contextlib.nullcontext
+
+    def _score(self, prompts, images):
+        torch = _torch()
+        from PIL import Image
+
+        proc = clip_processor()
+        pil = [Image.fromarray(im) for im in images.numpy()]
+        with torch.no_grad():
+            px = proc(images=pil, return_tensors="pt")["pixel_values"].to(self.dev)
+            text = proc(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+            img = self.clip.get_image_features(pixel_values=px)
+            txt = self.clip.get_text_features(input_ids=text["input_ids"].to(self.dev),
+                                              attention_mask=text["attention_mask"].to(self.dev))
+            img = img if isinstance(img, torch.Tensor) else img.pooler_output
+            txt = txt if isinstance(txt, torch.Tensor) else txt.pooler_output
+            img = img / img.norm(dim=-1, keepdim=True)
+            txt = txt / txt.norm(dim=-1, keepdim=True)
+            return (self.clip.logit_scale.exp() * (img * txt).sum(-1) / 26.0).float().cpu()
+
+    def pickscore(self, n: int):
+        images, prompts = random_images(self.S, n), prompt_list(n)
+        self.clip
+        return (lambda: self._score(prompts, images)), contextlib.nullcontext
+
+    # training: v_old (no grad) + v_theta + NFT loss + backward per micro-batch, then AdamW
+    def _pair_loss(self, x_sigma, x0, sig, pe, pooled):
+        torch = _torch()
+        with self.autocast():
+            with torch.no_grad():
+                v_old = self._velocity(x_sigma, sig, pe, pooled).float()
+            v = self._velocity(x_sigma, sig, pe, pooled).float()
+        s = sig.view(-1, 1, 1, 1)
+        losses = []
+        for vb in (v, 2 * v_old - v):  # beta = 1: v+ = v_theta, v- = 2 v_old - v_theta
+            err = x_sigma - s * vb - x0
+            w = err.detach().abs().flatten(1).mean(1).clamp_min(1e-5)
+            losses.append(err.square().flatten(1).mean(1) / w)
+        return (5.0 * (0.5 * losses[0] + 0.5 * losses[1])).mean()
+
+    def _pair_data(self, n_pairs: int, mb: int):
+        torch = _torch()
+        g = torch.Generator().manual_seed(5)
+        data = []
+        for i in range(0, n_pairs, mb):
+            m = min(mb, n_pairs - i)
+            x0 = self._latent(m, seed=i + 7)
+            eps = torch.randn(x0.shape, generator=g).to(self.dev)
+            sig = self.sigmas[torch.randint(0, 9, (m,), generator=g)].to(self.dev)
+            x_sigma = (1 - sig.view(-1, 1, 1, 1)) * x0 + sig.view(-1, 1, 1, 1) * eps
+            pe, pooled = self._cond(m, seed=i)
+            data.append((x_sigma, x0, sig, pe, pooled))
+        return data
+
+    def _train(self, data, n_pairs):
+        for x_sigma, x0, sig, pe, pooled in data:
+            (self._pair_loss(x_sigma, x0, sig, pe, pooled) * (len(sig) / n_pairs)).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def train_pairs(self, mb: int):
+        self.dit
+        n_pairs = TRAIN_K * mb
+        data = self._pair_data(n_pairs, mb)
+        return (lambda: self._train(data, n_pairs)), contextlib.nullcontext, n_pairs
+
+    def iteration(self):
+        """64 samples x 10 Euler steps, decodes, PickScores, then 576 pairs and one AdamW step."""
+        torch = _torch()
+        S, b = self.S, self.rollout_batch
+        n = S.samples
+        k = int(S.num_steps * 0.99)
+        pe_all, pooled_all = self._cond(n, seed=11)
+        prompts = prompt_list(n)
+
+        def fn():
+            x0s, scores = [], []
+            with self.rollout_mode(), torch.no_grad():
+                for i in range(0, n, b):
+                    x = self._latent(min(b, n - i), seed=100 + i)
+                    for j in range(S.num_steps):
+                        s = self.sigmas[j].expand(x.shape[0])
+                        v = self._velocity(x, s, pe_all[i:i + b], pooled_all[i:i + b]).float()
+                        x = x + (self.sigmas[j + 1] - self.sigmas[j]) * v
+                    x0s.append(x)
+                    scores.append(self._score(prompts[i:i + b], self._decode(x)))
+            rewards = torch.cat(scores).double().view(-1, S.per_prompt)
+            (rewards - rewards.mean(1, keepdim=True)) / (rewards.std() + 1e-4)  # advantages (loss uses r = 1/2)
+            x0 = torch.cat(x0s)
+            g = torch.Generator().manual_seed(9)
+            pairs = [(i, j) for i in range(n) for j in range(k)]
+            for q in range(0, len(pairs), self.mb):
+                chunk = pairs[q:q + self.mb]
+                idx = torch.tensor([i for i, _ in chunk])
+                sig = self.sigmas[torch.tensor([j for _, j in chunk])]
+                eps = torch.randn((len(chunk), *x0.shape[1:]), generator=g).to(self.dev)
+                xs = (1 - sig.view(-1, 1, 1, 1)) * x0[idx] + sig.view(-1, 1, 1, 1) * eps
+                loss = self._pair_loss(xs, x0[idx], sig, pe_all[idx.to(self.dev)], pooled_all[idx.to(self.dev)])
+                (loss * (len(chunk) / len(pairs))).backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return fn, contextlib.nullcontext
+
+    def close(self) -> None:
+        self._dit = self._vae = self._clip = self.opt = self.lora = None

@@ -1,0 +1,78 @@
+"""--levers and --set: the standard single-lever sweep, KEY=VALUE parsing, the "hpcnft fast" overrides."""
+from __future__ import annotations
+
+from hpcnft.bench.shapes import Shapes
+from hpcnft.cli import UsageError
+
+LEVER_SWEEP = [
+    {"perf.attention_backend": "flash"}, {"perf.attention_backend": "cudnn"},
+    {"perf.skip_single_rank_fsdp": True}, {"perf.merge_lora_nograd": True}, {"perf.old_pass_batch": 16},
+    {"rollout.batch_size": 32}, {"perf.vae_dtype": "fp16"}, {"perf.vae_channels_last": True},
+    {"perf.pickscore_dtype": "fp16"}, {"train.grad_checkpointing": True},
+    {"perf.compile_blocks": True, "perf.skip_single_rank_fsdp": True},
+    {"perf.fuse_qkv": True, "perf.merge_lora_nograd": True, "perf.skip_single_rank_fsdp": True},
+    {"perf.fused_lora": True, "perf.skip_single_rank_fsdp": True},
+    {"perf.compile_vae": True}, {"perf.cudnn_benchmark": True},
+]
+
+
+def _parse_value(raw: str):
+    import tomllib
+
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def expand_levers(specs: list[str], dev, S: Shapes) -> list[dict]:
+    """--levers items -> one dict of config overrides per measurement. An item is 'all' (the
+    standard sweep) or KEY=VALUE[,KEY=VALUE...]; a KEY without a dot is a perf.* key."""
+    out = []
+    for spec in specs or []:
+        if spec == "all":
+            for lever in LEVER_SWEEP:
+                lever = dict(lever)
+                if dev.type != "cuda" and set(lever) & set(CUDA_ONLY_KEYS()):
+                    continue
+                if "rollout.batch_size" in lever:
+                    lever["rollout.batch_size"] = 2 * max(S.rollout_batches)
+                    if lever["rollout.batch_size"] > S.samples:
+                        continue
+                if "perf.old_pass_batch" in lever:
+                    lever["perf.old_pass_batch"] = max(S.rollout_batches)
+                out.append(lever)
+            continue
+        lever = {}
+        for item in spec.split(","):
+            if "=" not in item:
+                raise UsageError(f"--levers {spec!r}: expected KEY=VALUE[,KEY=VALUE...] or 'all'")
+            k, raw = item.split("=", 1)
+            k = k.strip()
+            lever[k if "." in k else "perf." + k] = _parse_value(raw)
+        out.append(lever)
+    return out
+
+
+def CUDA_ONLY_KEYS():  # noqa: N802 - a constant, read lazily so the CLI stays light
+    from hpcnft.fast import CUDA_ONLY
+
+    return CUDA_ONLY
+
+
+def fast_overrides(S: Shapes, dev, overrides: list[str]) -> dict:
+    from hpcnft.fast import FAST
+
+    out = dict(FAST)
+    if S.name != "sd35m":  # FAST's batch sizes are for the real shapes
+        out["rollout.batch_size"], out["train.micro_batch"] = max(S.rollout_batches), max(S.micro_batches)
+        out["perf.old_pass_batch"] = max(S.rollout_batches)
+    if dev.type != "cuda":  # compile and SDPA backends are measured on GPUs; half precision too
+        for k in CUDA_ONLY_KEYS() + ("perf.vae_dtype", "perf.pickscore_dtype"):
+            out.pop(k, None)
+    for item in overrides or []:
+        if "=" not in item:
+            raise UsageError(f"--set {item!r}: expected KEY=VALUE")
+        k, raw = item.split("=", 1)
+        out[k.strip()] = _parse_value(raw)
+    return out

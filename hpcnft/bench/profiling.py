@@ -1,0 +1,86 @@
+"""--profile: torch.profiler over one call of a phase; its op table and a summary by kernel kind."""
+from __future__ import annotations
+
+import os
+import time
+
+from hpcnft.bench.timing import sync
+
+CATEGORIES = ("gemm", "attention_fwd", "attention_bwd", "triton", "other")
+# lower-case name fragments, tested in the order triton, attention, gemm: inductor names its
+# kernels after the ops they fuse ("triton_poi_fused__scaled_dot_product_flash_attention_0"), and
+# attention kernels can say "cutlass" ("fmha_cutlassF_f16_aligned_64x64_rf_sm80")
+ATTENTION = ("flash_", "fmha", "attention", "sdpa")
+BACKWARD = ("bwd", "backward", "bprop", "cutlassb")  # cuDNN SDPA says fprop/bprop, mem-efficient cutlassF/B
+GEMM = ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet")
+TOP_OPS = 15
+
+
+def kernel_category(name: str) -> str:
+    """The category of one device kernel, from its name."""
+    n = name.lower()
+    if n.startswith("triton_"):
+        return "triton"
+    if any(k in n for k in ATTENTION):
+        return "attention_bwd" if any(k in n for k in BACKWARD) else "attention_fwd"
+    if any(k in n for k in GEMM):
+        return "gemm"
+    return "other"
+
+
+def categorize(kernels) -> dict:
+    """(name, seconds) pairs -> {"total_s", "categories": {category: {"s", "share"}}}."""
+    sums = dict.fromkeys(CATEGORIES, 0.0)
+    for name, s in kernels:
+        sums[kernel_category(name)] += s
+    total = sum(sums.values())
+    return {"total_s": total,
+            "categories": {c: {"s": v, "share": v / total if total > 0 else 0.0} for c, v in sums.items()}}
+
+
+def _device_kernels(prof) -> list[tuple[str, float]]:
+    """(name, seconds) of every device-side event (kernels, memcpy, memset) of the profile."""
+    from torch.autograd import DeviceType
+
+    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+
+def _top_cpu_ops(prof, n: int = TOP_OPS) -> tuple[float, list[dict]]:
+    avgs = list(prof.key_averages())
+    total = sum(a.self_cpu_time_total for a in avgs) / 1e6
+    top = sorted(avgs, key=lambda a: a.self_cpu_time_total, reverse=True)[:n]
+    return total, [{"name": a.key, "calls": a.count, "self_s": a.self_cpu_time_total / 1e6,
+                    "share": a.self_cpu_time_total / 1e6 / total if total > 0 else 0.0} for a in top]
+
+
+def profile_call(fn, ctx, dev, path: str) -> dict:
+    """Profile one call of `fn` under `ctx()` (after one more untimed call, so nothing compiles
+    inside), write the op table to `path` and return the summary."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with ctx():
+        fn()
+        sync(dev)
+        with profile(activities=activities, acc_events=True) as prof:  # one cycle: no warning about clearing
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            wall = time.perf_counter() - t0  # includes the profiler's own overhead
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    out = {"device": dev.type, "wall_s": wall, "table": path}
+    if cuda:
+        kernels = _device_kernels(prof)
+        cat = categorize(kernels)
+        # busy time = the sum of kernel durations: kernels that overlap (several streams) are
+        # counted twice, so the idle share is approximate (and clamped at 0)
+        out.update(device_time_s=cat["total_s"], kernels=len(kernels), categories=cat["categories"],
+                   device_idle_share=max(0.0, 1.0 - cat["total_s"] / wall) if wall > 0 else None)
+    else:
+        total, top = _top_cpu_ops(prof)
+        out.update(cpu_self_time_s=total, top_ops=top)
+    return out

@@ -1,0 +1,115 @@
+"""The bench's report: the acceptance targets, the environment and the markdown table."""
+from __future__ import annotations
+
+import os
+import platform
+
+from hpcnft.bench.shapes import Shapes, _torch
+
+
+def _fmt_ms(s):
+    if s is None:
+        return "—"
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def targets(doc: dict, S: Shapes) -> dict:
+    """The acceptance targets of issue 7 (sd35m on one H200), checked against this run."""
+    st = doc["stacks"]
+    fast = st.get("hpcnft_fast", {})
+    ph = fast.get("phases", {})
+    b, mb = fast.get("rollout_batch"), fast.get("micro_batch")
+    out = {}
+
+    def put(name, value, goal, ok):
+        out[name] = {"value": value, "target": goal, "met": None if value is None else bool(ok(value))}
+    fwd = ph.get(f"rollout_fwd_b{b}", {}).get("mfu")
+    put("rollout_fwd_mfu", fwd, ">= 0.70", lambda v: v >= 0.70)
+    tr = ph.get(f"train_pair_mb{mb}", {})
+    put("train_pair_mfu", tr.get("mfu"), ">= 0.65", lambda v: v >= 0.65)
+    put("train_peak_gib_mb16", ph.get("train_pair_mb16", {}).get("peak_gib"), "<= 40", lambda v: v <= 40)
+    it = ph.get("iteration", {}).get("s")
+    put("iteration_s", it, "<= 13", lambda v: v <= 13)
+    eager_it = st.get("eager", {}).get("phases", {}).get("iteration", {}).get("s")
+    put("iteration_speedup_vs_eager", eager_it / it if (it and eager_it) else None, ">= 2.25", lambda v: v >= 2.25)
+    if S.name != "sd35m":
+        for v in out.values():
+            v["met"] = None  # the targets are for the real shapes only
+    return out
+
+
+def environment(dev) -> dict:
+    torch = _torch()
+    env = {"device": "cpu: " + (platform.processor() or platform.machine()) + f", {os.cpu_count()} cores",
+           "torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        env["device"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    for mod in ("diffusers", "transformers", "peft"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            env[mod] = None
+    return env
+
+
+PHASE_ORDER = ["rollout_fwd_b4", "rollout_fwd_b8", "rollout_fwd_b16", "rollout_fwd_b32", "vae_decode", "pickscore",
+               "train_pair_mb4", "train_pair_mb8", "train_pair_mb16", "iteration"]
+
+
+def _cell(m: dict | None) -> str:
+    if not m:
+        return "—"
+    if "error" in m:
+        return "error"
+    text = _fmt_ms(m["per_unit_s"]) + (f"/{m['unit'].split()[0]}" if m["per"] > 1 or m["unit"] != "iteration" else "")
+    if m.get("mfu"):
+        text += f" · {m['mfu'] * 100:.0f} %"
+    if m.get("peak_gib") is not None and m["unit"] == "pair":
+        text += f" · {m['peak_gib']:.1f} GiB"
+    return text
+
+
+def markdown(doc: dict) -> str:
+    st = doc["stacks"]
+    cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast") if k in st]
+    names = [n for n in PHASE_ORDER if any(n in st[c]["phases"] for c in cols)]
+    names += sorted({n for c in cols for n in st[c]["phases"]} - set(names))
+    env = doc["environment"]
+    lines = [f"`{doc['command']}` on {env['device']} (torch {env['torch']}), {doc['date']}; "
+             f"ceiling: {doc.get('ceiling_what', '')} = {doc.get('ceiling_tflops', 0):.4g} TFLOP/s. "
+             "Cells: time per unit · MFU against that ceiling (FLOPs counted over the phase) · peak memory.", "",
+             "| phase | " + " | ".join(st[c]["label"] for c in cols) + " | fast vs eager |",
+             "|---|" + "---|" * (len(cols) + 1)]
+    for n in names:
+        cells = [_cell(st[c]["phases"].get(n)) for c in cols]
+        ratio = "—"
+        e, f = st.get("eager", {}).get("phases", {}).get(n), st.get("hpcnft_fast", {}).get("phases", {}).get(n)
+        if e and f and "s" in e and "s" in f:
+            ratio = f"{e['per_unit_s'] / f['per_unit_s']:.2f}×"
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+    if doc.get("levers"):
+        lines += ["", "One lever at a time on top of hpcnft default (speed-up against hpcnft default):", "",
+                  "| lever | phase | time per unit | MFU | peak GiB | vs default |", "|---|---|---|---|---|---|"]
+        for rec in doc["levers"]:
+            for n, m in rec["phases"].items():
+                if "error" in m:
+                    lines.append(f"| {rec['lever']} | {n} | error | | | |")
+                    continue
+                lines.append(f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | "
+                             f"{m['mfu'] * 100:.1f} % | {m.get('peak_gib', 0):.1f} | "
+                             + (f"{m['speedup_vs_default']:.2f}× |" if "speedup_vs_default" in m else "— |")
+                             if m.get("mfu") else f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | | | |")
+    if doc.get("targets"):
+        lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
+        for k, t in doc["targets"].items():
+            v = t["value"]
+            vs = "—" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+            lines.append(f"| {k} | {vs} | {t['target']} | {'—' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
+    if doc.get("errors"):
+        lines += ["", "Errors: " + "; ".join(doc["errors"])]
+    if doc.get("skipped"):
+        lines += ["", "Skipped: " + ", ".join(doc["skipped"])]
+    return "\n".join(lines)

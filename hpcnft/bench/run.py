@@ -1,0 +1,333 @@
+"""`hpcnft bench`: time, FLOPs and MFU of each phase of one DiffusionNFT iteration (see __init__)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+from hpcnft.bench.eager import EagerStack
+from hpcnft.bench.levers import expand_levers, fast_overrides
+from hpcnft.bench.report import _fmt_ms, environment, markdown, targets
+from hpcnft.bench.shapes import SHAPES, TRAIN_K, Shapes, _torch
+from hpcnft.bench.stack import HpcnftStack, _toml, bench_config
+from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
+from hpcnft.cli import UsageError
+
+SCHEMA = "hpcnft-bench/1"
+
+
+class Bench:
+    def __init__(self, args, S: Shapes, dev):
+        self.args, self.S, self.dev = args, S, dev
+        self.t0 = time.perf_counter()
+        self.doc = {"schema": SCHEMA, "command": "hpcnft bench " + " ".join(args.argv),
+                    "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "shapes": S.name, "environment": environment(dev), "ceiling": {}, "stacks": {}, "levers": [],
+                    "errors": [], "skipped": []}
+
+    # -- bookkeeping
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self) -> bool:
+        return self.args.budget_s is not None and self.elapsed() > self.args.budget_s
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = round(self.elapsed(), 1)
+        if self.args.json:
+            tmp = self.args.json + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.doc, f, indent=1, default=str)
+            os.replace(tmp, self.args.json)
+
+    def log(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    @property
+    def ceiling(self) -> float:
+        return self.doc["ceiling_tflops"] * 1e12
+
+    def error(self, rec: dict, name: str, e: Exception) -> str:
+        """Record a failed measurement (the run goes on) and return its message."""
+        torch = _torch()
+        msg = f"{rec['key']}:{name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        self.doc["errors"].append(msg)
+        self.log("ERROR " + msg)
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+        self.save()
+        return msg
+
+    # -- one phase of one stack
+    def phase(self, rec: dict, name: str, make, unit: str, per: int, warm=None, reps=None, flops=True) -> dict | None:
+        if self.over_budget():
+            self.doc["skipped"].append(f"{rec['key']}:{name} (budget)")
+            return None
+        warm = self.S.warm if warm is None else warm
+        reps = self.S.reps if reps is None else reps
+        try:
+            made = make()
+            fn, ctx = made[0], made[1]
+            with ctx():
+                m = measure(fn, self.dev, warm, reps)
+                if flops:
+                    m["flops"] = count_flops(fn)
+        except Exception as e:  # noqa: BLE001 - one failing phase must not lose the others
+            rec["phases"][name] = {"error": self.error(rec, name, e)}
+            return None
+        m.update(unit=unit, per=per, per_unit_s=m["s"] / per)
+        if m.get("flops"):
+            m["tflops"] = m["flops"] / m["s"] / 1e12
+            m["mfu"] = m["flops"] / m["s"] / self.ceiling
+        rec["phases"][name] = m
+        self.log(f"{rec['key']:<16} {name:<18} {_fmt_ms(m['s']):>10} per call, {_fmt_ms(m['per_unit_s']):>10} per "
+                 f"{unit}" + (f", {m['tflops']:.0f} TFLOP/s, MFU {m['mfu'] * 100:.1f} %" if m.get("mfu") else "")
+                 + (f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""))
+        self.save()
+        return m
+
+    def run_stack(self, stack, phases: list[tuple], iteration: bool, extra: dict | None = None) -> dict:
+        rec = {"key": stack.key, "label": stack.label, "config": stack.config, "phases": {}}
+        if extra:
+            rec.update(extra)
+        self.doc["stacks"][stack.key] = rec
+        self.log(f"stack {stack.key}: {stack.label}")
+        for ph in phases:
+            self.phase(rec, *ph)
+        if iteration:
+            S = self.S
+            eager = stack.key == "eager"  # the eager iteration is the slow one: once, after its warm phases
+            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=0 if eager else self.args.iteration_warm,
+                           reps=1 if eager else self.args.iteration_reps, flops=False)
+            if m is not None:
+                m.update(self._iteration_flops(rec))
+                if getattr(stack, "last_metrics", None):
+                    m["metrics"] = met = stack.last_metrics
+                    # the package's own split of the (last) iteration: rollout incl. decode and reward, train
+                    for part in ("rollout", "train"):
+                        if m.get(f"{part}_flops") and met.get(f"perf/{part}_s"):
+                            m[f"{part}_s"] = met[f"perf/{part}_s"]
+                            m[f"{part}_mfu"] = m[f"{part}_flops"] / met[f"perf/{part}_s"] / self.ceiling
+                m["samples"], m["pairs"] = S.samples, S.samples * int(S.num_steps * 0.99)
+                self.save()
+        return rec
+
+    def _iteration_flops(self, rec: dict) -> dict:
+        """Iteration FLOPs from the per-call counts of its phases at the stack's own batch sizes."""
+        S, ph = self.S, rec["phases"]
+        b = rec.get("rollout_batch") or max(S.rollout_batches)
+        mb = rec.get("micro_batch") or max(S.micro_batches)
+        parts = {"rollout_fwd": (ph.get(f"rollout_fwd_b{b}"), S.samples * S.num_steps / b),
+                 "vae_decode": (ph.get("vae_decode"), S.samples / max(S.rollout_batches)),
+                 "pickscore": (ph.get("pickscore"), 1),
+                 "train": (ph.get(f"train_pair_mb{mb}"), S.samples * int(S.num_steps * 0.99) / (TRAIN_K * mb))}
+        if any(p is None or not p.get("flops") for p, _ in parts.values()):
+            return {}
+        total = sum(p["flops"] * k for p, k in parts.values())
+        t = ph["iteration"]["s"]
+        out = {"flops": int(total), "flops_from": "phase counts x phase calls per iteration",
+               "tflops": total / t / 1e12, "mfu": total / t / self.ceiling,
+               "rollout_flops": int(sum(parts[k][0]["flops"] * parts[k][1] for k in ("rollout_fwd", "vae_decode",
+                                                                                     "pickscore"))),
+               "train_flops": int(parts["train"][0]["flops"] * parts["train"][1])}
+        return out
+
+    def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True) -> list[tuple]:
+        S = self.S
+        out = [(f"rollout_fwd_b{b}", (lambda b=b: stack.rollout_forward(b)), "forward sample", b)
+               for b in rollout_batches]
+        if vae:
+            b = max(S.rollout_batches)
+            out.append(("vae_decode", lambda: stack.vae_decode(b), "image", b))
+        if pick:
+            out.append(("pickscore", lambda: stack.pickscore(S.samples), "image", S.samples))
+        for mb in micro_batches:
+            out.append((f"train_pair_mb{mb}", (lambda mb=mb: stack.train_pairs(mb)), "pair", TRAIN_K * mb,
+                        max(1, S.warm - 1), max(2, S.reps - 2)))
+        return out
+
+    def free(self, stack) -> None:
+        torch = _torch()
+        stack.close()
+        gc.collect()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        try:
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- the whole run
+    def run(self) -> dict:
+        S, args, dev = self.S, self.args, self.dev
+        self.log(f"shapes {S.name} on {self.doc['environment']['device']}")
+        self.doc["ceiling"] = matmul_ceiling(dev, S.ceiling_n)
+        key = "fp16_tflops" if dev.type == "cuda" else "fp32_tflops"
+        self.doc["ceiling_tflops"] = self.doc["ceiling"][key]
+        self.doc["ceiling_what"] = f"dense matmul {S.ceiling_n}^3, {key.split('_')[0]}, measured in this process"
+        self.log(f"ceiling {self.doc['ceiling']}")
+        self.save()
+
+        fast_over = fast_overrides(S, dev, args.overrides)
+        fast_b = int(fast_over.get("rollout.batch_size", max(S.rollout_batches)))
+        fast_mb = int(fast_over.get("train.micro_batch", max(S.micro_batches)))
+        if args.baseline:
+            eager = EagerStack(S, dev)
+            self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), args.iteration != "none",
+                           {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
+            self.free(eager)
+        fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.fast.FAST", S, dev, fast_over)
+        # the largest baseline shapes too, so fast and eager meet at one shape (and mb16's memory is read)
+        fb = sorted({fast_b, max(S.rollout_batches)} | (set(S.rollout_batches) if args.all_shapes else set()))
+        fm = sorted({fast_mb, max(S.micro_batches)} | (set(S.micro_batches) if args.all_shapes else set()))
+        rec = self.run_stack(fast, self.phases_for(fast, fb, fm), args.iteration != "none",
+                             {"rollout_batch": fast_b, "micro_batch": fast_mb})
+        if args.profile:
+            self.profile(fast, rec, max(fb), max(fm))
+        self.free(fast)
+        if not args.no_default:
+            default = HpcnftStack("hpcnft_default", "hpcnft path, every perf lever off", S, dev, {})
+            self.run_stack(default, self.phases_for(default, S.rollout_batches, S.micro_batches),
+                           args.iteration == "all",
+                           {"rollout_batch": max(S.rollout_batches), "micro_batch": max(S.micro_batches)})
+            self.free(default)
+        for lever in expand_levers(args.levers, dev, S):
+            if self.over_budget():
+                self.doc["skipped"].append(f"lever {lever} (budget)")
+                continue
+            self.run_lever(lever)
+        self.finish()
+        return self.doc
+
+    def profile(self, stack, rec: dict, b: int, mb: int) -> None:
+        """--profile: torch.profiler over one rollout forward at batch b and one train-pairs call at
+        micro-batch mb, both warmed by their phases: a table each in the folder, a summary in rec."""
+        from hpcnft.bench.profiling import profile_call
+
+        out = rec["profile"] = {}
+        for name, phase, make in (("rollout_forward", f"rollout_fwd_b{b}", lambda: stack.rollout_forward(b)),
+                                  ("train_pairs", f"train_pair_mb{mb}", lambda: stack.train_pairs(mb))):
+            if self.over_budget():
+                self.doc["skipped"].append(f"{rec['key']}:profile {name} (budget)")
+                continue
+            path = os.path.join(self.args.profile, f"profile-{name}.txt")
+            try:
+                made = make()
+                out[name] = {"phase": phase, **profile_call(made[0], made[1], self.dev, path)}
+            except Exception as e:  # noqa: BLE001 - as for a phase
+                out[name] = {"phase": phase, "error": self.error(rec, f"profile {name}", e)}
+                continue
+            self.log(f"profile {name} ({phase}): {path}")
+            self.save()
+
+    def finish(self) -> None:
+        """Speed-ups against the eager stack beside each phase, and the targets."""
+        eager = self.doc["stacks"].get("eager", {}).get("phases", {})
+        for rec in list(self.doc["stacks"].values()) + self.doc["levers"]:
+            if rec.get("key") == "eager":
+                continue
+            for name, m in rec["phases"].items():
+                if "s" in m and eager.get(name, {}).get("s"):
+                    m["speedup_vs_eager"] = eager[name]["per_unit_s"] / m["per_unit_s"]
+        self.doc["targets"] = targets(self.doc, self.S)
+        self.save()
+
+    def run_lever(self, lever: dict) -> None:
+        """hpcnft default plus `lever` (one lever; compile comes with skip_single_rank_fsdp)."""
+        S = self.S
+        name = ",".join(f"{k}={_toml(v)}" for k, v in lever.items())
+        stack = HpcnftStack(f"lever:{name}", f"hpcnft default + {name}", S, self.dev, lever)
+        k, v = next(iter(lever.items()))
+        b, mb = max(S.rollout_batches), max(S.micro_batches)
+        if k == "rollout.batch_size":
+            phases = self.phases_for(stack, [int(v)], [], vae=False, pick=False)
+        elif k in ("perf.vae_channels_last", "perf.vae_dtype", "perf.compile_vae", "perf.cudnn_benchmark"):
+            phases = self.phases_for(stack, [], [], vae=True, pick=False)
+        elif k == "perf.pickscore_dtype":
+            phases = self.phases_for(stack, [], [], vae=False, pick=True)
+        elif k == "perf.old_pass_batch":
+            phases = self.phases_for(stack, [], [min(S.micro_batches)], vae=False, pick=False)
+        elif k == "train.grad_checkpointing":
+            phases = self.phases_for(stack, [], [mb], vae=False, pick=False)
+        else:
+            phases = self.phases_for(stack, [b], [mb], vae=False, pick=False)
+        rec = self.run_stack(stack, phases, False)
+        self.doc["stacks"].pop(stack.key, None)
+        rec["lever"] = name
+        base = self.doc["stacks"].get("hpcnft_default", {}).get("phases", {})
+        for ph, m in rec["phases"].items():
+            if "s" in m and base.get(ph, {}).get("s"):
+                m["speedup_vs_default"] = base[ph]["per_unit_s"] / m["per_unit_s"]
+        self.doc["levers"].append(rec)
+        self.free(stack)
+        self.save()
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="sd35m",
+                   help="sd35m: the real SD3.5-M/VAE/CLIP-H shapes (needs CUDA); tiny: the tiny models (CPU is fine)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also measure the plain diffusers + peft eager stack, and print the ratios")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON here (rewritten after every phase)")
+    p.add_argument("--levers", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="single levers measured one at a time against hpcnft default, e.g. "
+                        "attention_backend=cudnn perf.compile_blocks=true, or 'all' for the standard sweep")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change the 'hpcnft fast' combination (default: hpcnft.fast.FAST), repeatable")
+    p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
+                   help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
+    p.add_argument("--iteration-warm", type=int, default=0,
+                   help="untimed whole iterations of the hpcnft stacks first (default 0: their phases warmed them)")
+    p.add_argument("--iteration-reps", type=int, default=1,
+                   help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
+    p.add_argument("--all-shapes", action="store_true",
+                   help="measure 'hpcnft fast' at every rollout batch and micro-batch too (more compiles)")
+    p.add_argument("--no-default", action="store_true", help="skip the 'hpcnft default' stack")
+    p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after the 'hpcnft fast' phases, profile one rollout forward and one train-pairs call "
+                        "(torch.profiler): DIR/profile-*.txt, and a summary by kernel kind in the JSON")
+
+
+def main(name: str, args: argparse.Namespace) -> int:
+    args.argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv[1:2] else []
+    import torch
+
+    S = SHAPES[args.shapes]()
+    if args.shapes == "sd35m" and not torch.cuda.is_available():
+        raise UsageError("--shapes sd35m needs a CUDA device and none is available (use --shapes tiny on a CPU)")
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    for over in expand_levers(args.levers, dev, S) + [fast_overrides(S, dev, args.overrides)]:
+        bench_config(S, dev, over)  # bad specs and config values fail before anything is built
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(d):
+            raise UsageError(f"--json {args.json!r}: folder {d!r} does not exist")
+    if args.profile:
+        try:
+            os.makedirs(args.profile, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--profile {args.profile!r}: {e.strerror or e}") from None
+    from hpcnft.models import quiet_libraries
+
+    quiet_libraries()
+    bench = Bench(args, S, dev)
+    try:
+        doc = bench.run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(markdown(doc))
+    return 0

@@ -1,0 +1,197 @@
+"""The package's own code path as a bench stack, with config overrides (the perf levers)."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_vae, clip_processor,
+                                 prompt_list, random_images, scheduler, world1_mesh)
+from hpcnft.cli import UsageError
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    return str(v)
+
+
+def bench_config(S: Shapes, dev, overrides: dict):
+    """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides."""
+    from hpcnft.config import ConfigError, load_config
+
+    base = {
+        "rollout.height": S.size, "rollout.width": S.size, "rollout.prompts_per_step": S.prompts,
+        "rollout.samples_per_prompt": S.per_prompt, "rollout.num_steps": S.num_steps,
+        "rollout.max_sequence_length": S.t5_tokens, "rollout.batch_size": max(S.rollout_batches),
+        "train.micro_batch": max(S.micro_batches), "train.grad_checkpointing": False,
+        "train.precision": "fp16" if dev.type == "cuda" else "fp32",
+        "train.lora_rank": S.lora_rank, "train.lora_alpha": S.lora_alpha,
+        "layout.train_ranks": 1, "layout.reward_ranks": 0, "layout.device": dev.type,
+        "determinism.enabled": False, "models.sd3_dir": "", "models.pickscore_dir": "",
+        "models.pickscore_processor_dir": "", "data.train_prompts": "builtin:tiny_train_prompts.txt",
+        "data.eval_prompts": "builtin:tiny_eval_prompts.txt", "steps": 1000,
+    }
+    base.update(overrides)
+    try:
+        return load_config(S.recipe, [f"{k}={_toml(v)}" for k, v in base.items()])
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+class HpcnftStack:
+    """The package's code path: Policy + Trainer + TrainRank, sampler and reward functions."""
+
+    def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict):
+        self.key, self.label, self.S, self.dev = key, label, S, dev
+        self.overrides = dict(overrides)
+        self.cfg = bench_config(S, dev, overrides)
+        self.config = {"overrides": {k: v for k, v in overrides.items()}}
+        self._policy = self._vae = self._scorer = self._tr = None
+        self.step_no = 0
+        self.last_metrics = {}
+
+    @property
+    def dtype(self):
+        from hpcnft.trainer import AUTOCAST_DTYPES
+
+        return AUTOCAST_DTYPES.get(self.cfg.train.precision, _torch().float32)
+
+    @property
+    def policy(self):
+        if self._policy is None:
+            from hpcnft.sampler import sigma_grid
+            from hpcnft.trainer import Policy, Trainer
+
+            mesh = world1_mesh(self.dev)
+            self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
+            self.trainer = Trainer(self.cfg, self._policy, None, 1)
+            self.sigmas = sigma_grid(scheduler(), self.cfg.rollout.num_steps)
+        return self._policy
+
+    @property
+    def vae(self):
+        if self._vae is None:
+            from hpcnft import fast
+
+            self._vae = fast.prepare_vae(build_vae(self.S, self.dev), self.cfg)  # loaded in fp32, as the runner does
+        return self._vae
+
+    @property
+    def scorer(self):
+        if self._scorer is None:
+            from hpcnft import fast
+            from hpcnft.reward import PickScoreScorer
+
+            self._scorer = fast.prepare_scorer(PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev),
+                                               self.cfg)
+        return self._scorer
+
+    @property
+    def train_rank(self):
+        if self._tr is None:
+            from hpcnft.distributed import Topology
+            from hpcnft.loop import TrainRank
+            from hpcnft.reward_service import LocalRewardClient
+
+            policy = self.policy
+            topo = Topology(0, 1, 0, [0], [], "bench", "nccl" if self.dev.type == "cuda" else "gloo", self.dev)
+            pipe = _Pipe(policy.transformer, self.vae, self.S, self.dtype, self.dev)
+            self._tr = TrainRank(self.cfg, topo, None, world1_mesh(self.dev), LocalRewardClient(self._score_fn()),
+                                 pipe, policy, self.trainer)
+        return self._tr
+
+    def _score_fn(self):
+        """runner.make_score_fn's rule: the prompt of sample i of step s from the train stream."""
+        from hpcnft.prompts import PromptStream, read_prompt_file
+
+        cfg, scorer = self.cfg, self.scorer
+        stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,
+                              cfg.train.seed)
+        p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+
+        def score(kind, step, images, ids):
+            return scorer([stream.at((step - 1) * p + i // g) for i in ids], images)
+        return score
+
+    def _cond(self, n: int, seed: int = 0):
+        torch = _torch()
+        g = torch.Generator().manual_seed(seed)
+        pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g).to(self.dtype)
+        pooled = torch.randn(n, self.S.dit["pooled_projection_dim"], generator=g).to(self.dtype)
+        return pe, pooled
+
+    def _latent(self, n: int, seed: int = 0):
+        torch = _torch()
+        g = torch.Generator().manual_seed(seed)
+        h = self.S.size // 8
+        return torch.randn(n, self.S.dit["in_channels"], h, h, generator=g)
+
+    def rollout_forward(self, b: int):
+        """One DiT forward of the rollout: sampler.velocity under the old weights and autocast."""
+        torch = _torch()
+        from hpcnft.sampler import velocity
+
+        policy = self.policy
+        x = self._latent(b).to(self.dev)
+        s = self.sigmas[3].expand(b).to(self.dev)
+        pe, pooled = (t.to(self.dev) for t in self._cond(b))
+
+        def fn():
+            with torch.no_grad(), policy.autocast():
+                velocity(policy.transformer, x, s, pe, pooled, policy.compute_dtype)
+        return fn, policy.old_weights
+
+    def vae_decode(self, b: int):
+        from hpcnft.sampler import decode_to_uint8
+
+        latents = self._latent(b).to(self.dev)
+        vae = self.vae
+        return (lambda: decode_to_uint8(vae, latents, self.cfg.rollout.uint8_rounding)), contextlib.nullcontext
+
+    def pickscore(self, n: int):
+        images, prompts = random_images(self.S, n), prompt_list(n)
+        scorer = self.scorer
+        return (lambda: scorer(prompts, images)), contextlib.nullcontext
+
+    def train_pairs(self, mb: int):
+        """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""
+        torch = _torch()
+        from hpcnft import nft
+        from hpcnft.trainer import PairBatch
+
+        self.policy
+        cfg = self.cfg
+        # on the device, as TrainRank.rollout leaves them for Trainer.step
+        x0 = self._latent(mb, seed=7).to(self.dev)
+        pe, pooled = (t.to(self.dev) for t in self._cond(mb, seed=8))
+        adv = torch.randn(mb, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        batch = PairBatch(x0, pe, pooled, adv, nft.optimality_r(adv, cfg.nft.adv_clip_max), list(range(mb)),
+                          mb * TRAIN_K)
+
+        @contextlib.contextmanager
+        def ctx():
+            saved = (cfg.nft.timestep_fraction, cfg.train.micro_batch)
+            cfg.nft.timestep_fraction, cfg.train.micro_batch = TRAIN_K / cfg.rollout.num_steps, mb
+            try:
+                yield
+            finally:
+                cfg.nft.timestep_fraction, cfg.train.micro_batch = saved
+
+        def fn():
+            self.step_no += 1
+            self.last_metrics = self.trainer.step(batch, self.sigmas, self.step_no)
+        return fn, ctx, mb * TRAIN_K
+
+    def close(self) -> None:
+        self._policy = self._vae = self._scorer = self._tr = self.trainer = None
+
+    def iteration(self):
+        tr = self.train_rank
+
+        def fn():
+            self.step_no += 1
+            metrics, _ = tr.iteration(self.step_no)
+            self.last_metrics = {k: v for k, v in metrics.items() if k.startswith("perf/") or k.startswith("train/")}
+        return fn, contextlib.nullcontext

@@ -1,0 +1,53 @@
+"""Timing, FLOP counting and the matmul ceiling of the bench (timing and ceiling: hpcnft.perf)."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+
+from hpcnft.bench.shapes import _torch
+
+
+def sync(dev) -> None:
+    torch = _torch()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure(fn, dev, warm: int, reps: int) -> dict:
+    """Median seconds of `fn` after `warm` calls (CUDA events on a GPU), and the peak memory
+    allocated during the timed calls."""
+    torch = _torch()
+    from hpcnft.perf import time_calls
+
+    for _ in range(warm):
+        fn()
+    sync(dev)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    times = time_calls(fn, dev, reps)
+    out = {"s": statistics.median(times), "runs_s": [round(t, 6) for t in times]}
+    if cuda:
+        out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    return out
+
+
+def count_flops(fn) -> int:
+    """FLOPs of one call of `fn`, counted by FlopCounterMode with compiled code run eagerly."""
+    torch = _torch()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") \
+        else contextlib.nullcontext()
+    with stance, FlopCounterMode(display=False) as fc:
+        fn()
+    return int(fc.get_total_flops())
+
+
+def matmul_ceiling(dev, n: int) -> dict:
+    """{"<dtype>_tflops": ...} of an n^3 dense matmul: fp16 and bf16 on a GPU, fp32 on a CPU."""
+    torch = _torch()
+    from hpcnft.perf import measure_matmul
+
+    dtypes = (("fp16", torch.float16), ("bf16", torch.bfloat16)) if dev.type == "cuda" else (("fp32", torch.float32),)
+    return {f"{name}_tflops": measure_matmul(dev, dt, n)["flops_per_s"] / 1e12 for name, dt in dtypes}

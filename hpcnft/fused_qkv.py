@@ -1,0 +1,226 @@
+"""Fused attention projections for SD3's joint attentions.
+
+perf.fuse_qkv: in the no-grad passes (rollout, v_old) every SD3 attention computes its query,
+key and value with one GEMM over the concatenated weights ([3d, d]) instead of three [d, d]
+GEMMs, and the text stream's three added projections likewise.
+
+perf.fused_lora: in the trained forward, q/k/v of a stream come from one frozen base GEMM on
+the concatenated base weights plus one GEMM on the concatenated LoRA A matrices ([3r, d]: the
+activation is read once for the three adapters), then the three rank-r B products. Gradients
+reach the LoRA A and B parameters as through peft's layers; the base stays frozen. Where the
+adapters are off (the KL reference, merged no-grad passes) the attention runs diffusers' own
+processor.
+
+The fused weights are non-persistent buffers on each `Attention` (never in a state dict or a
+checkpoint), refreshed from the live projection weights each time the context is entered, so
+they always hold what the three projections hold at that moment (merged LoRA, the EMA shadow,
+a full fine-tune's latest weights). The processor is diffusers' `JointAttnProcessor2_0` with
+the projections fused; the q/k RMS norms are kept (diffusers' own `FusedJointAttnProcessor2_0`
+drops them, which SD3.5 needs).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT, BIAS = "hpcnft_qkv_weight", "hpcnft_qkv_bias"
+ADDED_WEIGHT, ADDED_BIAS = "hpcnft_added_qkv_weight", "hpcnft_added_qkv_bias"
+BASE = "hpcnft_base_"  # prefix of the fused_lora copies of the frozen base weights
+
+
+def _base(linear):
+    """The nn.Linear under a peft LoRA wrapper (or the layer itself)."""
+    return linear.get_base_layer() if hasattr(linear, "get_base_layer") else linear
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _concat(linears, attr: str):
+    parts = [getattr(_base(lin), attr) for lin in linears]
+    if any(p is None for p in parts):
+        return None
+    return torch.cat([_full(p.detach()) for p in parts])
+
+
+def _store(attn, name: str, value) -> None:
+    """Copy into the existing buffer when it fits (no reallocation between entries)."""
+    current = getattr(attn, name, None)
+    if value is None:
+        attn.register_buffer(name, None, persistent=False)
+    elif current is not None and current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    else:
+        attn.register_buffer(name, value.clone(), persistent=False)
+
+
+def _joint_attentions(transformer):
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    return [m for m in transformer.modules()
+            if hasattr(m, "to_q") and isinstance(getattr(m, "processor", None), JointAttnProcessor2_0)]
+
+
+def _split_heads(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    return t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2)
+
+
+class FusedQKVProcessor:
+    """One processor for every fused attention (dynamo sees one object)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        residual = hidden_states
+        batch = hidden_states.shape[0]
+        q, k, v = (_split_heads(t, batch, attn.heads)
+                   for t in F.linear(hidden_states, getattr(attn, WEIGHT), getattr(attn, BIAS)).chunk(3, dim=-1))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if encoder_hidden_states is not None:
+            cq, ck, cv = (_split_heads(t, batch, attn.heads) for t in F.linear(
+                encoder_hidden_states, getattr(attn, ADDED_WEIGHT), getattr(attn, ADDED_BIAS)).chunk(3, dim=-1))
+            if attn.norm_added_q is not None:
+                cq = attn.norm_added_q(cq)
+            if attn.norm_added_k is not None:
+                ck = attn.norm_added_k(ck)
+            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * out.shape[-1]).to(q.dtype)
+        if encoder_hidden_states is not None:
+            out, context = out[:, :residual.shape[1]], out[:, residual.shape[1]:]
+            if not attn.context_pre_only:
+                context = attn.to_add_out(context)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, context) if encoder_hidden_states is not None else out
+
+
+_PROCESSOR = FusedQKVProcessor()
+
+
+def _streams(attn):
+    """(projections, weight name, bias name) of the image stream and, where present, the text's."""
+    out = [((attn.to_q, attn.to_k, attn.to_v), WEIGHT, BIAS)]
+    if getattr(attn, "add_q_proj", None) is not None:
+        out.append(((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), ADDED_WEIGHT, ADDED_BIAS))
+    return out
+
+
+@torch.no_grad()
+def refresh(transformer, attns=None, prefix: str = "") -> list:
+    """Concatenate the current projection weights into each joint attention's buffers; returns
+    the attentions it fused."""
+    attns = _joint_attentions(transformer) if attns is None else attns
+    for attn in attns:
+        for names in (WEIGHT, BIAS, ADDED_WEIGHT, ADDED_BIAS):
+            _store(attn, prefix + names, None)
+        for linears, weight, bias in _streams(attn):
+            _store(attn, prefix + weight, _concat(linears, "weight"))
+            _store(attn, prefix + bias, _concat(linears, "bias"))
+    return attns
+
+
+@contextlib.contextmanager
+def fused(transformer):
+    """While inside, each joint attention runs FusedQKVProcessor on weights copied in at entry.
+    For no-grad use: the buffers are copies, so no gradient reaches the projections."""
+    attns = _joint_attentions(transformer) + [m for m in transformer.modules()
+                                              if isinstance(getattr(m, "processor", None), FusedLoRAProcessor)]
+    refresh(transformer, attns)
+    saved = [attn.processor for attn in attns]
+    try:
+        for attn in attns:
+            attn.processor = _PROCESSOR
+        yield
+    finally:
+        for attn, proc in zip(attns, saved):
+            attn.processor = proc
+
+
+# -- the trained forward: fused base GEMM + fused LoRA A --------------------------------------------
+def _lora_parts(linears):
+    """(A weights, B weights, scaling) of three peft LoRA linears with one active plain adapter,
+    or None where a projection has no adapter (the base alone then)."""
+    from peft.tuners.lora import LoraLayer
+
+    if not all(isinstance(lin, LoraLayer) for lin in linears):
+        return None
+    names = [lin.active_adapters for lin in linears]
+    if any(n != ["default"] for n in names) or any(lin.lora_variant for lin in linears):
+        raise NotImplementedError("perf.fused_lora: one plain LoRA adapter per projection is supported")
+    if any(not isinstance(lin.lora_dropout["default"], torch.nn.Identity) for lin in linears):
+        raise NotImplementedError("perf.fused_lora: LoRA dropout is not supported")
+    scales = {lin.scaling["default"] for lin in linears}
+    if len(scales) != 1:
+        raise NotImplementedError("perf.fused_lora: the three projections need one LoRA scaling")
+    return ([lin.lora_A["default"].weight for lin in linears], [lin.lora_B["default"].weight for lin in linears],
+            scales.pop())
+
+
+def _lora_qkv(x, weight, bias, linears):
+    """q, k, v of one stream: base GEMM on [3d, d] + (x A_cat^T) split three ways through B."""
+    y = F.linear(x, weight, bias)
+    parts = _lora_parts(linears)
+    if parts is None:
+        return y.chunk(3, dim=-1)
+    a, b, scaling = parts
+    h = F.linear(x, torch.cat(a)).chunk(3, dim=-1)
+    return tuple(base + F.linear(hi, bi) * scaling for base, hi, bi in zip(y.chunk(3, dim=-1), h, b))
+
+
+def _adapters_on(attn) -> bool:
+    return not getattr(attn.to_q, "disable_adapters", True)
+
+
+class FusedLoRAProcessor:
+    """JointAttnProcessor2_0 for the trained forward with fused q/k/v (see the module docstring)."""
+
+    def __init__(self):
+        from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+        self.fallback = JointAttnProcessor2_0()
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if not _adapters_on(attn):  # the frozen base or merged weights: the three projections as they are
+            return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        residual = hidden_states
+        batch = hidden_states.shape[0]
+        q, k, v = (_split_heads(t, batch, attn.heads) for t in _lora_qkv(
+            hidden_states, getattr(attn, BASE + WEIGHT), getattr(attn, BASE + BIAS), (attn.to_q, attn.to_k, attn.to_v)))
+        if attn.norm_q is not None:
+            q = attn.norm_q(q)
+        if attn.norm_k is not None:
+            k = attn.norm_k(k)
+        if encoder_hidden_states is not None:
+            cq, ck, cv = (_split_heads(t, batch, attn.heads) for t in _lora_qkv(
+                encoder_hidden_states, getattr(attn, BASE + ADDED_WEIGHT), getattr(attn, BASE + ADDED_BIAS),
+                (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)))
+            if attn.norm_added_q is not None:
+                cq = attn.norm_added_q(cq)
+            if attn.norm_added_k is not None:
+                ck = attn.norm_added_k(ck)
+            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * out.shape[-1]).to(q.dtype)
+        if encoder_hidden_states is not None:
+            out, context = out[:, :residual.shape[1]], out[:, residual.shape[1]:]
+            if not attn.context_pre_only:
+                context = attn.to_add_out(context)
+        out = attn.to_out[1](attn.to_out[0](out))
+        return (out, context) if encoder_hidden_states is not None else out
+
+
+def install_fused_lora(transformer) -> int:
+    """Copy the frozen base q/k/v weights (as they are now: call before any merge) into buffers
+    and give every joint attention the FusedLoRAProcessor; returns how many it took."""
+    attns = _joint_attentions(transformer)
+    refresh(transformer, attns, prefix=BASE)
+    processor = FusedLoRAProcessor()
+    for attn in attns:
+        attn.processor = processor
+    return len(attns)

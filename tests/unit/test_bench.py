@@ -1,0 +1,61 @@
+"""hpcnft bench's pure parts and the one matmul ceiling of hpcnft.perf (CPU, small sizes)."""
+import pytest
+import torch
+
+from hpcnft.bench.profiling import CATEGORIES, categorize, kernel_category
+from hpcnft.bench.timing import matmul_ceiling as bench_ceiling
+from hpcnft.perf import matmul_ceiling, measure_matmul
+
+KERNELS = {
+    "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn": "gemm",
+    "sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "gemm",
+    "nvjet_hsh_128x256_64x4_1x2_h_bz_coopA_NNT": "gemm",
+    "void cutlass::Kernel2<cutlass_80_tensorop_f16_s16816gemm_relu_f16_64x64_32x10_nn_align8>(Params)": "gemm",
+    "void cublasLt::splitKreduce_kernel<32, 16, int, float, __half, float, __half>(...)": "gemm",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>, true>(Flash_fwd_params)":
+        "attention_fwd",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>(...)":
+        "attention_bwd",
+    "fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)":
+        "attention_fwd",
+    "fmha_cutlassB_f16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)":
+        "attention_bwd",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x64_4x1x1_kernel0_0": "attention_fwd",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_1_64x128x64_4x1x1_kernel0_0": "attention_bwd",
+    "triton_poi_fused__scaled_dot_product_flash_attention_0": "triton",
+    "triton_per_fused_native_layer_norm_1": "triton",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>>(...)": "other",
+    "Memcpy HtoD (Pageable -> Device)": "other",
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernel_category(name):
+    assert kernel_category(name) == KERNELS[name]
+
+
+def test_categorize_sums_seconds_and_shares():
+    out = categorize([("nvjet_hsh_128x256", 3.0), ("flash_fwd_kernel", 1.0), ("flash_bwd_kernel", 2.0),
+                      ("triton_poi_fused_add_0", 1.5), ("elementwise_kernel", 0.5), ("sm90_xmma_gemm", 2.0)])
+    assert out["total_s"] == 10.0
+    assert set(out["categories"]) == set(CATEGORIES)
+    assert {c: v["s"] for c, v in out["categories"].items()} == {
+        "gemm": 5.0, "attention_fwd": 1.0, "attention_bwd": 2.0, "triton": 1.5, "other": 0.5}
+    assert out["categories"]["gemm"]["share"] == 0.5
+    assert sum(v["share"] for v in out["categories"].values()) == pytest.approx(1.0)
+
+
+def test_categorize_nothing():
+    out = categorize([])
+    assert out["total_s"] == 0.0 and all(v == {"s": 0.0, "share": 0.0} for v in out["categories"].values())
+
+
+def test_one_matmul_ceiling_for_the_loop_and_the_bench():
+    cpu = torch.device("cpu")
+    state = torch.get_rng_state()
+    m = measure_matmul(cpu, torch.float32, n=64, warm=1, reps=3)
+    assert torch.equal(state, torch.get_rng_state())  # a private generator: the run's RNG is untouched
+    assert m["n"] == 64 and m["dtype"] == "float32" and len(m["runs_s"]) == 3
+    assert m["flops_per_s"] == pytest.approx(2 * 64**3 / m["s"])
+    assert matmul_ceiling(cpu, torch.float16) > 0  # fp32 on a CPU, whatever the compute dtype
+    assert set(bench_ceiling(cpu, 64)) == {"fp32_tflops"}
