@@ -159,6 +159,7 @@ class PerfConfig:
     vae_channels_last: bool = False
     vae_dtype: str = "auto"  # "auto" (as loaded), "fp32", "fp16" or "bf16"
     pickscore_dtype: str = "fp32"  # "fp32" or "fp16"
+    pickscore_preprocess: str = "cpu"  # "cpu" (the processor, PIL) or "device" (tensor ops on the scorer's device)
     skip_single_rank_fsdp: bool = False  # one-rank train mesh: plain module, no FSDP2 wrapping
     merge_lora_nograd: bool = False  # rollout and v_old on W + s*B@A merged into the base weights
     old_pass_batch: int = 0  # v_old for all of a step's pairs in passes of this size (0: per micro-batch)
@@ -217,6 +218,7 @@ CHOICES = {
     "rollout.uint8_rounding": ("round", "truncate"),
     "perf.attention_backend": ("default", "flash", "cudnn", "efficient", "math"),
     "perf.pickscore_dtype": ("fp32", "fp16"),
+    "perf.pickscore_preprocess": ("cpu", "device"),
     "perf.vae_dtype": ("auto", "fp32", "fp16", "bf16"),
 }
 POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.num_steps",

@@ -13,17 +13,46 @@ def _embedding(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
+def clip_pixel_values(images: torch.Tensor, image_processor, device: torch.device) -> torch.Tensor:
+    """CLIP's image preprocessing as tensor ops on `device` (perf.pickscore_preprocess="device"):
+    resize the shortest edge with antialiased bicubic (a = -0.5, PIL's kernel), round to uint8
+    as PIL's resize does, centre crop, rescale, normalise. Pixels land within a grey level or so
+    of the PIL path's."""
+    ip = image_processor
+    edge, crop = ip.size.shortest_edge, (ip.crop_size.height, ip.crop_size.width)
+    if not (edge and ip.do_resize and ip.do_center_crop and ip.resample == Image.Resampling.BICUBIC):
+        raise ValueError("perf.pickscore_preprocess=\"device\": the processor is not CLIP's "
+                         "(shortest-edge bicubic resize and centre crop)")
+    x = images.to(device).permute(0, 3, 1, 2).float()
+    h, w = x.shape[-2:]
+    short, long = min(h, w), max(h, w)
+    size = (edge, int(edge * long / short)) if h <= w else (int(edge * long / short), edge)
+    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
+    x = x.round().clamp(0, 255)
+    top, left = (x.shape[-2] - crop[0]) // 2, (x.shape[-1] - crop[1]) // 2
+    x = x[..., top:top + crop[0], left:left + crop[1]] * ip.rescale_factor
+    mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
 class PickScoreScorer:
-    def __init__(self, processor, model, device: torch.device):
+    def __init__(self, processor, model, device: torch.device, preprocess_on_device: bool = False):
         self.processor, self.model, self.device = processor, model, device
+        self.preprocess_on_device = preprocess_on_device
+
+    def pixel_values(self, images: np.ndarray | torch.Tensor) -> torch.Tensor:
+        if self.preprocess_on_device:
+            return clip_pixel_values(torch.as_tensor(images), self.processor.image_processor, self.device)
+        if isinstance(images, torch.Tensor):
+            images = images.numpy()
+        pil = [Image.fromarray(np.ascontiguousarray(im)) for im in images]
+        return self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], images: np.ndarray | torch.Tensor) -> torch.Tensor:
         """prompts[i] vs images[i] ([n, H, W, 3] uint8) -> float32 scores [n] on the CPU."""
-        if isinstance(images, torch.Tensor):
-            images = images.numpy()
-        pil = [Image.fromarray(np.ascontiguousarray(im)) for im in images]
-        pixels = self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device)
+        pixels = self.pixel_values(images)
         text = self.processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
         img = _embedding(self.model.get_image_features(pixel_values=pixels))
         txt = _embedding(self.model.get_text_features(input_ids=text["input_ids"].to(self.device),

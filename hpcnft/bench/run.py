@@ -189,6 +189,10 @@ class Bench:
         fm = sorted({fast_mb, max(S.micro_batches)} | (set(S.micro_batches) if args.all_shapes else set()))
         rec = self.run_stack(fast, self.phases_for(fast, fb, fm), args.iteration != "none",
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
+        if fast.cfg.perf.pickscore_preprocess == "device" and not self.over_budget():
+            rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
+            self.log(f"pickscore_preprocess=device vs PIL, |score difference|: {rec['pickscore_preprocess_cost']}")
+            self.save()
         if args.profile:
             self.profile(fast, rec, max(fb), max(fm))
         self.free(fast)

@@ -145,6 +145,15 @@ def random_images(S: Shapes, n: int):
     return torch.randint(0, 256, (n, S.size, S.size, 3), generator=g, dtype=torch.uint8)
 
 
+def smooth_images(S: Shapes, n: int):
+    """Random 16x16 colours upsampled bilinearly to the image size: smooth like decoded images."""
+    torch = _torch()
+    g = torch.Generator().manual_seed(4)
+    low = torch.rand(n, 3, 16, 16, generator=g) * 255
+    up = torch.nn.functional.interpolate(low, size=(S.size, S.size), mode="bilinear", align_corners=False)
+    return up.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
 # -- what TrainRank needs around the models ------------------------------------------------------
 class _Pipe:
     """What TrainRank uses of a StableDiffusion3Pipeline: the scheduler, the VAE, the DiT's config

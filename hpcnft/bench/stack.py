@@ -5,7 +5,7 @@ import contextlib
 import json
 
 from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_vae, clip_processor,
-                                 prompt_list, random_images, scheduler, world1_mesh)
+                                 prompt_list, random_images, scheduler, smooth_images, world1_mesh)
 from hpcnft.cli import UsageError
 
 
@@ -154,6 +154,22 @@ class HpcnftStack:
         images, prompts = random_images(self.S, n), prompt_list(n)
         scorer = self.scorer
         return (lambda: scorer(prompts, images)), contextlib.nullcontext
+
+    def preprocess_cost(self, n: int) -> dict:
+        """What perf.pickscore_preprocess="device" costs in reward: PickScore of the same images
+        through the device path and through the processor's PIL path (smooth images, as decoded
+        ones are, and uniform noise, the worst case for a resize kernel)."""
+        scorer, prompts, out = self.scorer, prompt_list(n), {}
+        for name, images in (("smooth", smooth_images(self.S, n)), ("noise", random_images(self.S, n))):
+            scores = {}
+            for on_device in (True, False):
+                scorer.preprocess_on_device = on_device
+                scores[on_device] = scorer(prompts, images).double()
+            diff = (scores[True] - scores[False]).abs()
+            out[name] = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
+                         "score_std": float(scores[False].std()), "n": n}
+        scorer.preprocess_on_device = True
+        return out
 
     def train_pairs(self, mb: int):
         """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""
