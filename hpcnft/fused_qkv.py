@@ -70,58 +70,64 @@ def _split_heads(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
     return t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2)
 
 
+def joint_attention(attn, hidden_states, encoder_hidden_states, project):
+    """JointAttnProcessor2_0's computation (diffusers) with the projections supplied:
+    `project(x, context)` gives the ([B, S, d],) * 3 q, k, v of the image stream (context False)
+    or of the text stream (context True). q/k RMS norms, joint SDPA and the output projections as there."""
+    batch, heads = hidden_states.shape[0], attn.heads
+    q, k, v = (_split_heads(t, batch, heads) for t in project(hidden_states, False))
+    if attn.norm_q is not None:
+        q = attn.norm_q(q)
+    if attn.norm_k is not None:
+        k = attn.norm_k(k)
+    if encoder_hidden_states is not None:
+        cq, ck, cv = (_split_heads(t, batch, heads) for t in project(encoder_hidden_states, True))
+        if attn.norm_added_q is not None:
+            cq = attn.norm_added_q(cq)
+        if attn.norm_added_k is not None:
+            ck = attn.norm_added_k(ck)
+        q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+    out = out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1]).to(q.dtype)
+    if encoder_hidden_states is None:
+        return attn.to_out[1](attn.to_out[0](out))
+    n_image = hidden_states.shape[1]
+    out, context = out[:, :n_image], out[:, n_image:]
+    if not attn.context_pre_only:
+        context = attn.to_add_out(context)
+    return attn.to_out[1](attn.to_out[0](out)), context
+
+
 class FusedQKVProcessor:
     """One processor for every fused attention (dynamo sees one object)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        residual = hidden_states
-        batch = hidden_states.shape[0]
-        q, k, v = (_split_heads(t, batch, attn.heads)
-                   for t in F.linear(hidden_states, getattr(attn, WEIGHT), getattr(attn, BIAS)).chunk(3, dim=-1))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        if encoder_hidden_states is not None:
-            cq, ck, cv = (_split_heads(t, batch, attn.heads) for t in F.linear(
-                encoder_hidden_states, getattr(attn, ADDED_WEIGHT), getattr(attn, ADDED_BIAS)).chunk(3, dim=-1))
-            if attn.norm_added_q is not None:
-                cq = attn.norm_added_q(cq)
-            if attn.norm_added_k is not None:
-                ck = attn.norm_added_k(ck)
-            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * out.shape[-1]).to(q.dtype)
-        if encoder_hidden_states is not None:
-            out, context = out[:, :residual.shape[1]], out[:, residual.shape[1]:]
-            if not attn.context_pre_only:
-                context = attn.to_add_out(context)
-        out = attn.to_out[1](attn.to_out[0](out))
-        return (out, context) if encoder_hidden_states is not None else out
+        def project(x, context: bool):
+            w, b = (ADDED_WEIGHT, ADDED_BIAS) if context else (WEIGHT, BIAS)
+            return F.linear(x, getattr(attn, w), getattr(attn, b)).chunk(3, dim=-1)
+        return joint_attention(attn, hidden_states, encoder_hidden_states, project)
 
 
 _PROCESSOR = FusedQKVProcessor()
 
 
-def _streams(attn):
-    """(projections, weight name, bias name) of the image stream and, where present, the text's."""
-    out = [((attn.to_q, attn.to_k, attn.to_v), WEIGHT, BIAS)]
-    if getattr(attn, "add_q_proj", None) is not None:
-        out.append(((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), ADDED_WEIGHT, ADDED_BIAS))
-    return out
+def _streams(attn) -> dict:
+    """{weight buffer name: (bias buffer name, the three projections or None)}: the image stream,
+    and the text stream's added projections where the attention has them (not attn2)."""
+    added = getattr(attn, "add_q_proj", None) is not None
+    return {WEIGHT: (BIAS, (attn.to_q, attn.to_k, attn.to_v)),
+            ADDED_WEIGHT: (ADDED_BIAS, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if added else None)}
 
 
 @torch.no_grad()
 def refresh(transformer, attns=None, prefix: str = "") -> list:
-    """Concatenate the current projection weights into each joint attention's buffers; returns
-    the attentions it fused."""
+    """Concatenate the current projection weights into each joint attention's buffers (in place
+    where they exist); returns the attentions it fused."""
     attns = _joint_attentions(transformer) if attns is None else attns
     for attn in attns:
-        for names in (WEIGHT, BIAS, ADDED_WEIGHT, ADDED_BIAS):
-            _store(attn, prefix + names, None)
-        for linears, weight, bias in _streams(attn):
-            _store(attn, prefix + weight, _concat(linears, "weight"))
-            _store(attn, prefix + bias, _concat(linears, "bias"))
+        for weight, (bias, linears) in _streams(attn).items():
+            _store(attn, prefix + weight, _concat(linears, "weight") if linears else None)
+            _store(attn, prefix + bias, _concat(linears, "bias") if linears else None)
     return attns
 
 
@@ -164,13 +170,13 @@ def _lora_parts(linears):
 
 def _lora_qkv(x, weight, bias, linears):
     """q, k, v of one stream: base GEMM on [3d, d] + (x A_cat^T) split three ways through B."""
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias).chunk(3, dim=-1)
     parts = _lora_parts(linears)
     if parts is None:
-        return y.chunk(3, dim=-1)
+        return y
     a, b, scaling = parts
     h = F.linear(x, torch.cat(a)).chunk(3, dim=-1)
-    return tuple(base + F.linear(hi, bi) * scaling for base, hi, bi in zip(y.chunk(3, dim=-1), h, b))
+    return tuple(base + F.linear(hi, bi) * scaling for base, hi, bi in zip(y, h, b))
 
 
 def _adapters_on(attn) -> bool:
@@ -188,31 +194,14 @@ class FusedLoRAProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         if not _adapters_on(attn):  # the frozen base or merged weights: the three projections as they are
             return self.fallback(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
-        residual = hidden_states
-        batch = hidden_states.shape[0]
-        q, k, v = (_split_heads(t, batch, attn.heads) for t in _lora_qkv(
-            hidden_states, getattr(attn, BASE + WEIGHT), getattr(attn, BASE + BIAS), (attn.to_q, attn.to_k, attn.to_v)))
-        if attn.norm_q is not None:
-            q = attn.norm_q(q)
-        if attn.norm_k is not None:
-            k = attn.norm_k(k)
-        if encoder_hidden_states is not None:
-            cq, ck, cv = (_split_heads(t, batch, attn.heads) for t in _lora_qkv(
-                encoder_hidden_states, getattr(attn, BASE + ADDED_WEIGHT), getattr(attn, BASE + ADDED_BIAS),
-                (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)))
-            if attn.norm_added_q is not None:
-                cq = attn.norm_added_q(cq)
-            if attn.norm_added_k is not None:
-                ck = attn.norm_added_k(ck)
-            q, k, v = torch.cat([q, cq], dim=2), torch.cat([k, ck], dim=2), torch.cat([v, cv], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2).reshape(batch, -1, attn.heads * out.shape[-1]).to(q.dtype)
-        if encoder_hidden_states is not None:
-            out, context = out[:, :residual.shape[1]], out[:, residual.shape[1]:]
-            if not attn.context_pre_only:
-                context = attn.to_add_out(context)
-        out = attn.to_out[1](attn.to_out[0](out))
-        return (out, context) if encoder_hidden_states is not None else out
+
+        def project(x, context: bool):
+            if context:
+                return _lora_qkv(x, getattr(attn, BASE + ADDED_WEIGHT), getattr(attn, BASE + ADDED_BIAS),
+                                 (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            return _lora_qkv(x, getattr(attn, BASE + WEIGHT), getattr(attn, BASE + BIAS),
+                             (attn.to_q, attn.to_k, attn.to_v))
+        return joint_attention(attn, hidden_states, encoder_hidden_states, project)
 
 
 def install_fused_lora(transformer) -> int:

@@ -70,7 +70,9 @@ def hpcnft(*args, timeout=600):
 TINY_FP16 = ["tiny_fp16", "--set", "layout.train_ranks=1", "--set", "layout.reward_ranks=0", "--set",
              "layout.device=cuda", "--steps", "3"]
 DETERMINISTIC_LEVERS = ["--set", "perf.skip_single_rank_fsdp=true", "--set", "perf.merge_lora_nograd=true",
-                        "--set", "perf.old_pass_batch=16", "--set", "perf.vae_channels_last=true"]
+                        "--set", "perf.old_pass_batch=16", "--set", "perf.vae_channels_last=true",
+                        "--set", "perf.fuse_qkv=true", "--set", "perf.fused_lora=true",
+                        "--set", "perf.pickscore_preprocess=\"device\"", "--set", "perf.overlap_reward=true"]
 
 
 @pytest.mark.parametrize("levers", ["off", "deterministic"])

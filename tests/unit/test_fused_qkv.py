@@ -146,3 +146,13 @@ def _adapters_off(tr):
 def test_fused_lora_needs_lora():
     with pytest.raises(ConfigError, match=r"^perf.fused_lora: "):
         load_config("tiny", ["perf.fused_lora=true", "train.finetune=\"full\""])
+
+
+def test_refresh_copies_into_the_buffers_it_made():
+    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    attn = policy.transformer.transformer_blocks[0].attn
+    with fast.nograd_weights(policy):
+        first = getattr(attn, fused_qkv.WEIGHT)
+    with fast.nograd_weights(policy):
+        assert getattr(attn, fused_qkv.WEIGHT) is first  # refreshed in place, not reallocated
+    assert getattr(policy.transformer.transformer_blocks[0].attn2, fused_qkv.ADDED_WEIGHT) is None  # no text stream
