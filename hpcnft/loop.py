@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hpcnft import determinism, nft
 from hpcnft.config import Config
 from hpcnft.distributed import Topology
-from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu
+from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu, span
 from hpcnft.prompts import PromptStream, read_prompt_file
 from hpcnft.reward_service import EVAL, ROLLOUT
 from hpcnft.sampler import (PromptEncoder, decode_to_uint8, euler_sample, image_grid, initial_noise,
@@ -104,17 +104,21 @@ class TrainRank:
         x0s, pes, pools, imgs, pending = [], [], [], [], []
         with self.policy.old_weights():
             for chunk in chunks(mine, cfg.rollout.batch_size):
-                noise = initial_noise(self.latent_shape, cfg.rollout.seed, step, chunk, "rollout_noise")
-                x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise)
-                images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
-                pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
+                with span("rollout/sample"):
+                    noise = initial_noise(self.latent_shape, cfg.rollout.seed, step, chunk, "rollout_noise")
+                    x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise)
+                with span("rollout/decode"):
+                    images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
+                with span("rollout/reward_submit"):
+                    pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
                 # What training needs stays on the train device (no copies back per micro-batch).
                 x0s.append(x0.float())
                 pes.append(cond.prompt_embeds)
                 pools.append(cond.pooled)
                 imgs.append(images)
         t1 = time.perf_counter()
-        rewards = torch.cat([self.client.collect(p) for p in pending])
+        with span("rollout/reward_collect"):
+            rewards = torch.cat([self.client.collect(p) for p in pending])
         t2 = time.perf_counter()
         return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs), rewards, t1 - t0, t2 - t1)
 
@@ -144,9 +148,11 @@ class TrainRank:
         batch = PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
                           list(mine), cfg.samples_per_step * k)
         t_train = time.perf_counter()
-        metrics = self.trainer.step(batch, self.sigmas, step)
+        with span("train/step"):
+            metrics = self.trainer.step(batch, self.sigmas, step)
         decay = nft.ema_decay(step, cfg.ema.ramp, cfg.ema.max, cfg.ema.flat_steps, cfg.ema.flat_decay)
-        self.policy.ema_update(decay)
+        with span("train/ema"):
+            self.policy.ema_update(decay)
         t_end = time.perf_counter()
         metrics.update({f"rollout/reward/{k}": v for k, v in nft.reward_stats(rewards).items()})
         metrics["ema/decay"] = decay

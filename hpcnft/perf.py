@@ -97,3 +97,9 @@ class FlopCount:
 
 def mfu(flops: float, seconds: float, ceiling: float) -> float:
     return flops / max(seconds, 1e-12) / ceiling
+
+
+def span(name: str):
+    """A named range `hpcnft/<name>` for torch.profiler (hpcnft bench --profile sums the time of
+    each range, host and device); a few microseconds when no profiler runs."""
+    return torch.profiler.record_function(f"hpcnft/{name}")

@@ -46,8 +46,6 @@ class PromptStream:
         self._perm_cache: dict[int, list[int]] = {}
 
     def _order(self, epoch: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.prompts)))
         if epoch not in self._perm_cache:
             g = torch.Generator().manual_seed(stable_hash("prompt_shuffle", self.seed, epoch))
             self._perm_cache = {epoch: torch.randperm(len(self.prompts), generator=g).tolist()}
@@ -55,7 +53,7 @@ class PromptStream:
 
     def at(self, position: int) -> str:
         epoch, offset = divmod(position, len(self.prompts))
-        return self.prompts[self._order(epoch)[offset]]
+        return self.prompts[self._order(epoch)[offset] if self.shuffle else offset]
 
     def for_step(self, step: int, per_step: int) -> list[str]:
         start = (step - 1) * per_step

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from hpcnft import fast, nft
 from hpcnft.config import Config
 from hpcnft.determinism import stable_hash
+from hpcnft.perf import span
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -223,10 +224,11 @@ class Trainer:
         """One optimizer step over this rank's pairs; returns the step's metrics (all ranks)."""
         cfg, policy = self.cfg, self.policy
         pairs = train_sigma_pairs(cfg, batch.sample_ids, step)
-        mbs = [self._inputs(batch, sigmas, step, mb) for mb in self._micro_batches(pairs, cfg.train.micro_batch)]
+        with span("train/inputs"):
+            mbs = [self._inputs(batch, sigmas, step, mb) for mb in self._micro_batches(pairs, cfg.train.micro_batch)]
         # v_old (and the KL reference) for every micro-batch first, in the same composition as the
         # trained forward: with pi_old == pi_theta the two branches then agree bit for bit.
-        with torch.no_grad(), policy.old_weights():
+        with span("train/old_pass"), torch.no_grad(), policy.old_weights():
             if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
                 v_old = fast.old_velocities(self, batch, mbs)
             else:
@@ -241,25 +243,14 @@ class Trainer:
         # Gradient of the global mean over all pairs: FSDP averages over the train ranks.
         loss_norm = self.num_train_ranks / batch.n_global_pairs
         used_scale = self.scaler.scale
-        for i, (pos, sig, x0, x_sigma) in enumerate(mbs):
-            v_theta = self._forward(x_sigma, sig, batch, pos)
-            v_pos, v_neg = nft.implicit_policies(v_theta.float(), v_old[i].float(), cfg.nft.beta)
-            l_pos = nft.branch_loss(x_sigma, x0, sig, v_pos, cfg.nft.adaptive_weight)
-            l_neg = nft.branch_loss(x_sigma, x0, sig, v_neg, cfg.nft.adaptive_weight)
-            r = batch.r[pos].to(l_pos.device)
-            per_pair = nft.pair_loss(l_pos, l_neg, r, cfg.nft.adv_clip_max, cfg.nft.beta)
-            total = per_pair
-            kl = torch.zeros_like(per_pair)
-            if v_ref is not None:
-                kl = nft.kl_to_reference(v_theta, v_ref[i])
-                total = per_pair + cfg.nft.kl_beta * kl
-            (total.sum() * loss_norm * used_scale).backward()
-            a = batch.adv[pos]
-            dev_sums += torch.stack([per_pair.detach().double().sum(), l_pos.detach().double().sum(),
-                                     l_neg.detach().double().sum(), r.double().sum(), sig.double().sum(),
-                                     kl.detach().double().sum()]).to(dev_sums.device)
-            host_sums += torch.tensor([a.sum().item(), a.abs().sum().item(), float(len(pos))], dtype=torch.float64)
-        grad_norm, skipped = self._optimizer_step()
+        for i, mb in enumerate(mbs):
+            with span("train/micro_batch"):
+                dev_part, host_part = self._micro_batch(batch, mb, v_old[i], v_ref[i] if v_ref else None,
+                                                        loss_norm, used_scale)
+            dev_sums += dev_part
+            host_sums += host_part
+        with span("train/optimizer"):
+            grad_norm, skipped = self._optimizer_step()
         sums = torch.cat([dev_sums.cpu(), host_sums])
         if self.group is not None:
             comm = policy.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
@@ -267,6 +258,30 @@ class Trainer:
             dist.all_reduce(sums, group=self.group)
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
                              used_scale)
+
+    def _micro_batch(self, batch: PairBatch, mb, v_old: torch.Tensor, v_ref, loss_norm: float, scale: float):
+        """Forward, NFT loss and backward of one micro-batch (gradients accumulate); returns its
+        metric sums (DEVICE_SUMS on the device, HOST_SUMS on the host)."""
+        cfg = self.cfg
+        pos, sig, x0, x_sigma = mb
+        v_theta = self._forward(x_sigma, sig, batch, pos)
+        v_pos, v_neg = nft.implicit_policies(v_theta.float(), v_old.float(), cfg.nft.beta)
+        l_pos = nft.branch_loss(x_sigma, x0, sig, v_pos, cfg.nft.adaptive_weight)
+        l_neg = nft.branch_loss(x_sigma, x0, sig, v_neg, cfg.nft.adaptive_weight)
+        r = batch.r[pos].to(l_pos.device)
+        per_pair = nft.pair_loss(l_pos, l_neg, r, cfg.nft.adv_clip_max, cfg.nft.beta)
+        total = per_pair
+        kl = torch.zeros_like(per_pair)
+        if v_ref is not None:
+            kl = nft.kl_to_reference(v_theta, v_ref)
+            total = per_pair + cfg.nft.kl_beta * kl
+        (total.sum() * loss_norm * scale).backward()
+        a = batch.adv[pos]
+        dev = torch.stack([per_pair.detach().double().sum(), l_pos.detach().double().sum(),
+                           l_neg.detach().double().sum(), r.double().sum(), sig.double().sum(),
+                           kl.detach().double().sum()])
+        host = torch.tensor([a.sum().item(), a.abs().sum().item(), float(len(pos))], dtype=torch.float64)
+        return dev, host
 
     def _optimizer_step(self) -> tuple[float, bool]:
         params = self.policy.trainable

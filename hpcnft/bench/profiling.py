@@ -1,4 +1,5 @@
-"""--profile: torch.profiler over one call of a phase; its op table and a summary by kernel kind."""
+"""--profile: torch.profiler over one call of a phase; its op table, a summary by kernel kind and the
+totals of the package's named ranges (hpcnft.perf.span)."""
 from __future__ import annotations
 
 import os
@@ -53,6 +54,19 @@ def _top_cpu_ops(prof, n: int = TOP_OPS) -> tuple[float, list[dict]]:
                     "share": a.self_cpu_time_total / 1e6 / total if total > 0 else 0.0} for a in top]
 
 
+def spans(prof, prefix: str = "hpcnft/") -> dict:
+    """Totals of each named range `hpcnft/...` (hpcnft.perf.span) in the profile: calls, host
+    seconds, and the device seconds of the kernels launched inside it."""
+    out = {}
+    for a in prof.key_averages():
+        if a.key.startswith(prefix):
+            device_us = getattr(a, "device_time_total", None)
+            if device_us is None:  # older torch
+                device_us = getattr(a, "cuda_time_total", 0.0)
+            out[a.key[len(prefix):]] = {"calls": a.count, "cpu_s": a.cpu_time_total / 1e6, "device_s": device_us / 1e6}
+    return out
+
+
 def profile_call(fn, ctx, dev, path: str) -> dict:
     """Profile one call of `fn` under `ctx()` (after one more untimed call, so nothing compiles
     inside), write the op table to `path` and return the summary."""
@@ -72,7 +86,7 @@ def profile_call(fn, ctx, dev, path: str) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(table + "\n")
-    out = {"device": dev.type, "wall_s": wall, "table": path}
+    out = {"device": dev.type, "wall_s": wall, "table": path, "spans": spans(prof)}
     if cuda:
         kernels = _device_kernels(prof)
         cat = categorize(kernels)

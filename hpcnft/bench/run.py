@@ -211,13 +211,18 @@ class Bench:
         return self.doc
 
     def profile(self, stack, rec: dict, b: int, mb: int) -> None:
-        """--profile: torch.profiler over one rollout forward at batch b and one train-pairs call at
-        micro-batch mb, both warmed by their phases: a table each in the folder, a summary in rec."""
+        """--profile: torch.profiler over one rollout forward at batch b, one train-pairs call at
+        micro-batch mb and, where the stack ran one, one whole iteration (where its time goes, by
+        the package's named ranges), each after one more untimed call: a table each in the folder,
+        a summary in rec."""
         from hpcnft.bench.profiling import profile_call
 
         out = rec["profile"] = {}
-        for name, phase, make in (("rollout_forward", f"rollout_fwd_b{b}", lambda: stack.rollout_forward(b)),
-                                  ("train_pairs", f"train_pair_mb{mb}", lambda: stack.train_pairs(mb))):
+        calls = [("rollout_forward", f"rollout_fwd_b{b}", lambda: stack.rollout_forward(b)),
+                 ("train_pairs", f"train_pair_mb{mb}", lambda: stack.train_pairs(mb))]
+        if "iteration" in rec["phases"]:
+            calls.append(("iteration", "iteration", stack.iteration))
+        for name, phase, make in calls:
             if self.over_budget():
                 self.doc["skipped"].append(f"{rec['key']}:profile {name} (budget)")
                 continue

@@ -50,16 +50,25 @@ def test_bench_tiny_writes_every_phase_with_ratios(tmp_path):
 @pytest.mark.slow
 def test_bench_tiny_profile_writes_tables_and_a_summary(tmp_path):
     out, prof = tmp_path / "bench.json", tmp_path / "prof"
-    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--iteration", "none", "--profile", prof, "--json", out,
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--profile", prof, "--json", out,
                env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert not doc["errors"], doc["errors"]
     summary = doc["stacks"]["hpcnft_fast"]["profile"]
-    assert set(summary) == {"rollout_forward", "train_pairs"}
+    assert set(summary) == {"rollout_forward", "train_pairs", "iteration"}
+    # the iteration's time by the package's named ranges
+    it = summary["iteration"]["spans"]
+    for part in ("rollout/sample", "rollout/decode", "rollout/reward_submit", "train/step", "train/old_pass",
+                 "train/micro_batch", "train/optimizer"):
+        assert it[part]["calls"] >= 1 and it[part]["cpu_s"] > 0, (part, it)
+    assert it["train/micro_batch"]["calls"] == doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]["pairs"] // 8
+    assert "train/old_pass" in summary["train_pairs"]["spans"] and "rollout/sample" not in summary["train_pairs"]["spans"]
     assert summary["rollout_forward"]["phase"] == "rollout_fwd_b8"
     assert summary["train_pairs"]["phase"] == "train_pair_mb8"
     for name, s in summary.items():
+        if name == "iteration":
+            continue
         table = (prof / f"profile-{name}.txt").read_text()
         assert "Self CPU" in table and "aten::" in table, table[:2000]
         assert s["device"] == "cpu" and s["wall_s"] > 0 and s["cpu_self_time_s"] > 0, s

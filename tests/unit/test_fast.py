@@ -98,3 +98,19 @@ def test_compiled_blocks_step_aside_under_a_dispatch_mode():
     with FlopCounterMode(display=False):
         assert call(1) == ("eager", 1)
     assert call(2) == ("compiled", 2)
+
+
+@pytest.mark.parametrize("precision,cast", [("bf16", False), ("fp32", True)])
+def test_half_precision_policy_skips_peft_input_casts(stacks, precision, cast):
+    policy = stacks({"train.precision": precision, "perf.skip_single_rank_fsdp": True}).policy
+    layers = fast.lora_layers(policy.transformer)
+    assert layers and all(getattr(layer, "cast_input_dtype_enabled", True) is cast for layer in layers)
+
+
+def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
+    from hpcnft.config import flatten, load_config
+
+    ref = flatten(load_config("sd35m_pickscore").to_dict())
+    fast_recipe = flatten(load_config("sd35m_pickscore_fast").to_dict())
+    changed = {k: v for k, v in fast_recipe.items() if ref[k] != v}
+    assert changed == {k: v for k, v in fast.FAST.items() if ref[k] != v}

@@ -125,3 +125,45 @@ def test_pair_noise_is_keyed_by_sample_not_by_batch(cfg):
     assert not torch.equal(a, pair_noise(cfg, 3, 17, 5, (16, 8, 8)))
     assert not torch.equal(a, pair_noise(cfg, 3, 18, 4, (16, 8, 8)))
     assert not torch.equal(a, pair_noise(cfg, 4, 17, 4, (16, 8, 8)))
+
+
+def test_skipping_peft_input_cast_under_autocast_changes_nothing():
+    """Policy turns off peft's cast of each activation to the fp32 LoRA dtype when it trains in
+    half precision: under autocast the LoRA matmuls run in half precision either way, so the
+    forward and every gradient are the same bits."""
+    from diffusers import SD3Transformer2DModel
+
+    from hpcnft import fast
+    from hpcnft.tiny import TINY_TRANSFORMER
+    from hpcnft.trainer import add_lora
+
+    cfg = load_config("tiny")
+    torch.manual_seed(0)
+    tr = SD3Transformer2DModel(**TINY_TRANSFORMER)
+    add_lora(tr, cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in fast.lora_layers(tr):
+            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g) * 0.05)
+        for p in tr.parameters():
+            if not p.requires_grad:
+                p.data = p.data.bfloat16()
+    c = TINY_TRANSFORMER
+    inputs = dict(hidden_states=torch.randn(2, c["in_channels"], 8, 8, generator=g).bfloat16(),
+                  timestep=torch.tensor([700.0, 200.0]),
+                  encoder_hidden_states=torch.randn(2, 5, c["joint_attention_dim"], generator=g).bfloat16(),
+                  pooled_projections=torch.randn(2, c["pooled_projection_dim"], generator=g).bfloat16())
+
+    def run(cast: bool):
+        for layer in fast.lora_layers(tr):
+            layer.cast_input_dtype_enabled = cast
+        tr.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tr(**inputs, return_dict=False)[0]
+        out.float().square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in tr.parameters() if p.requires_grad]
+
+    out_cast, grads_cast = run(True)
+    out_plain, grads_plain = run(False)
+    assert torch.equal(out_cast, out_plain)
+    assert all(torch.equal(a, b) for a, b in zip(grads_cast, grads_plain))
