@@ -12,26 +12,14 @@ from hpcnft import fast, fused_qkv
 from hpcnft.config import load_config
 from hpcnft.sampler import velocity
 from hpcnft.tiny import TINY_TRANSFORMER
-from hpcnft.trainer import add_lora
+from lora_tools import tiny_lora_dit
 
 DEV = torch.device("cuda")
 
 
 def _policy(compiled: bool, **perf):
-    from diffusers import SD3Transformer2DModel
-
     cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
-    torch.manual_seed(0)
-    tr = SD3Transformer2DModel(**TINY_TRANSFORMER).eval()
-    add_lora(tr, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in fast.lora_layers(tr):
-            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g) * 0.05)
-        for p in tr.parameters():
-            if not p.requires_grad:
-                p.data = p.data.half()
-    tr.to(DEV)
+    tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to(DEV)
     if perf.get("fused_lora"):
         fused_qkv.install_fused_lora(tr)
     if compiled:

@@ -11,21 +11,12 @@ from hpcnft import fast, fused_qkv
 from hpcnft.config import ConfigError, load_config
 from hpcnft.sampler import velocity
 from hpcnft.tiny import TINY_TRANSFORMER
-from hpcnft.trainer import add_lora
+from lora_tools import tiny_lora_dit
 
 
 def _policy(**perf):
-    from diffusers import SD3Transformer2DModel
-
     cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
-    torch.manual_seed(0)
-    tr = SD3Transformer2DModel(**TINY_TRANSFORMER).eval()
-    add_lora(tr, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # peft starts B at zero: give the adapters a delta to merge
-        for layer in fast.lora_layers(tr):
-            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g) * 0.05)
-    return types.SimpleNamespace(cfg=cfg, transformer=tr)
+    return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
 
 
 def _inputs():

@@ -131,23 +131,13 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
     """Policy turns off peft's cast of each activation to the fp32 LoRA dtype when it trains in
     half precision: under autocast the LoRA matmuls run in half precision either way, so the
     forward and every gradient are the same bits."""
-    from diffusers import SD3Transformer2DModel
+    from lora_tools import tiny_lora_dit
 
     from hpcnft import fast
     from hpcnft.tiny import TINY_TRANSFORMER
-    from hpcnft.trainer import add_lora
 
-    cfg = load_config("tiny")
-    torch.manual_seed(0)
-    tr = SD3Transformer2DModel(**TINY_TRANSFORMER)
-    add_lora(tr, cfg)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in fast.lora_layers(tr):
-            layer.lora_B["default"].weight.copy_(torch.randn(layer.lora_B["default"].weight.shape, generator=g) * 0.05)
-        for p in tr.parameters():
-            if not p.requires_grad:
-                p.data = p.data.bfloat16()
+    tr = tiny_lora_dit(load_config("tiny"), base_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
     c = TINY_TRANSFORMER
     inputs = dict(hidden_states=torch.randn(2, c["in_channels"], 8, 8, generator=g).bfloat16(),
                   timestep=torch.tensor([700.0, 200.0]),
