@@ -21,6 +21,11 @@ from hpcnft.config import Config, ConfigError
 from hpcnft.launch import LaunchInfo
 
 
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a collective's tensors must live: NCCL takes only device tensors, gloo CPU ones."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
 @dataclass
 class Topology:
     rank: int
@@ -41,6 +46,10 @@ class Topology:
         if not self.reward_ranks:
             return "colocated"
         return "reward" if self.rank in self.reward_ranks else "train"
+
+    @property
+    def comm_device(self) -> torch.device:
+        return collective_device(self.backend, self.device)
 
     @property
     def is_train(self) -> bool:

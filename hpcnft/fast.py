@@ -186,7 +186,7 @@ def prepare_policy(policy) -> None:
 
 
 # -- merged LoRA for no-grad passes -------------------------------------------------------------
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -247,7 +247,7 @@ def merged_lora(policy):
                 for name in layer.active_adapters:
                     if name not in layer.lora_A:
                         continue
-                    a, b = _full(layer.lora_A[name].weight), _full(layer.lora_B[name].weight)
+                    a, b = full_tensor(layer.lora_A[name].weight), full_tensor(layer.lora_B[name].weight)
                     d = b.float() @ a.float()
                     delta += (d.T if layer.fan_in_fan_out else d) * layer.scaling[name]
                 saved.append((local, local.clone()))

@@ -25,6 +25,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from hpcnft.fast import full_tensor
+
 WEIGHT, BIAS = "hpcnft_qkv_weight", "hpcnft_qkv_bias"
 ADDED_WEIGHT, ADDED_BIAS = "hpcnft_added_qkv_weight", "hpcnft_added_qkv_bias"
 BASE = "hpcnft_base_"  # prefix of the fused_lora copies of the frozen base weights
@@ -35,17 +37,11 @@ def _base(linear):
     return linear.get_base_layer() if hasattr(linear, "get_base_layer") else linear
 
 
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _concat(linears, attr: str):
     parts = [getattr(_base(lin), attr) for lin in linears]
     if any(p is None for p in parts):
         return None
-    return torch.cat([_full(p.detach()) for p in parts])
+    return torch.cat([full_tensor(p.detach()) for p in parts])
 
 
 def _store(attn, name: str, value) -> None:
@@ -60,10 +56,11 @@ def _store(attn, name: str, value) -> None:
 
 
 def _joint_attentions(transformer):
+    """SD3's attentions: diffusers' JointAttnProcessor2_0, or ours for the trained forward."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    return [m for m in transformer.modules()
-            if hasattr(m, "to_q") and isinstance(getattr(m, "processor", None), JointAttnProcessor2_0)]
+    kinds = (JointAttnProcessor2_0, FusedLoRAProcessor)
+    return [m for m in transformer.modules() if hasattr(m, "to_q") and isinstance(getattr(m, "processor", None), kinds)]
 
 
 def _split_heads(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -135,9 +132,7 @@ def refresh(transformer, attns=None, prefix: str = "") -> list:
 def fused(transformer):
     """While inside, each joint attention runs FusedQKVProcessor on weights copied in at entry.
     For no-grad use: the buffers are copies, so no gradient reaches the projections."""
-    attns = _joint_attentions(transformer) + [m for m in transformer.modules()
-                                              if isinstance(getattr(m, "processor", None), FusedLoRAProcessor)]
-    refresh(transformer, attns)
+    attns = refresh(transformer)
     saved = [attn.processor for attn in attns]
     try:
         for attn in attns:

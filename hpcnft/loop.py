@@ -126,8 +126,7 @@ class TrainRank:
         """All train ranks' values, in global sample order."""
         if self.group is None:
             return local
-        comm = self.topo.device if self.topo.backend == "nccl" else torch.device("cpu")  # NCCL: device tensors
-        local = local.to(comm).contiguous()
+        local = local.to(self.topo.comm_device).contiguous()
         parts = [torch.empty_like(local) for _ in self.topo.train_ranks]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).cpu()

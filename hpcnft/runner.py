@@ -55,10 +55,6 @@ def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
     return fast.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
 
 
-def comm_device(topo) -> torch.device:
-    return topo.device if topo.backend == "nccl" else torch.device("cpu")
-
-
 def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
     score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
     found = checkpoint.latest_usable(cfg.run_dir, log.warning)
@@ -71,7 +67,7 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
             f.write(determinism.capture_rng_state())
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), score_fn, comm_device(topo), cfg.layout.timeout_s, log,
+    stats = serve(topo.clients_of(topo.rank), score_fn, topo.comm_device, cfg.layout.timeout_s, log,
                   snapshot, flag)
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
@@ -92,7 +88,7 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
         client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
-        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), comm_device(topo), cfg.layout.timeout_s)
+        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.comm_device, cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
     return TrainRank(cfg, topo, group, mesh, client, pipe, policy, trainer)
@@ -197,7 +193,7 @@ class TrainJob:
 
     def stop_requested(self) -> bool:
         """Every train rank's flag and the reward rank's, agreed at the end of an iteration."""
-        local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)], device=comm_device(self.topo))
+        local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)], device=self.topo.comm_device)
         if self.group is not None:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         return bool(local.item())

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from hpcnft import fast, nft
 from hpcnft.config import Config
 from hpcnft.determinism import stable_hash
+from hpcnft.distributed import collective_device
 from hpcnft.perf import span
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -253,8 +254,7 @@ class Trainer:
             grad_norm, skipped = self._optimizer_step()
         sums = torch.cat([dev_sums.cpu(), host_sums])
         if self.group is not None:
-            comm = policy.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-            sums = sums.to(comm)
+            sums = sums.to(collective_device(dist.get_backend(self.group), policy.device))
             dist.all_reduce(sums, group=self.group)
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
                              used_scale)
