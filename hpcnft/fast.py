@@ -267,12 +267,12 @@ def old_velocities(trainer, batch, mbs) -> list[torch.Tensor]:
     """v_old for every micro-batch, computed in passes of perf.old_pass_batch pairs over the
     concatenated micro-batches, then split back into the micro-batch composition."""
     size = int(trainer.cfg.perf.old_pass_batch)
-    pos = torch.cat([m[0] for m in mbs])
-    sig = torch.cat([m[1] for m in mbs])
-    x_sigma = torch.cat([m[3] for m in mbs])
-    outs = [trainer._forward(x_sigma[i:i + size], sig[i:i + size], batch, pos[i:i + size])
-            for i in range(0, len(pos), size)]
-    return list(torch.cat(outs).split([len(m[0]) for m in mbs]))
+    index = torch.cat([m.index for m in mbs])
+    sig = torch.cat([m.sigma for m in mbs])
+    x_sigma = torch.cat([m.x_sigma for m in mbs])
+    outs = [trainer._forward(x_sigma[i:i + size], sig[i:i + size], batch, index[i:i + size])
+            for i in range(0, len(index), size)]
+    return list(torch.cat(outs).split([len(m.pos) for m in mbs]))
 
 
 # -- VAE and PickScore ------------------------------------------------------------------------

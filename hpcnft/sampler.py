@@ -81,8 +81,9 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
     x = noise
     b = x.shape[0]
     use_cfg = guidance_scale > 1.0
+    sigmas = sigmas.to(x.device)  # once: a host-to-device copy per step would wait for the GPU each time
     for k in range(len(sigmas) - 1):
-        s = sigmas[k].expand(b).to(x.device)
+        s = sigmas[k].expand(b)
         with autocast():
             if use_cfg:
                 v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
@@ -92,7 +93,7 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
                 v = v_neg + guidance_scale * (v_pos - v_neg)
             else:
                 v = velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype).float()
-        x = x + (sigmas[k + 1] - sigmas[k]).to(x.device) * v
+        x = x + (sigmas[k + 1] - sigmas[k]) * v
     return x
 
 

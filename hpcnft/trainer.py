@@ -71,6 +71,19 @@ class PairBatch:
     n_global_pairs: int  # pairs of the whole optimizer step over all train ranks
 
 
+@dataclass
+class MicroBatch:
+    """One micro-batch's pairs, ready on the train device before any forward runs: every tensor
+    a forward or the loss reads is made here, so the step copies nothing host-to-device (each such
+    copy would wait for the GPU to drain) between micro-batches."""
+    pos: torch.Tensor  # local sample positions, on the host (host metric sums)
+    index: torch.Tensor  # the same, on the device of the rollout tensors (their gathers)
+    sigma: torch.Tensor  # [m] float32, train device
+    x0: torch.Tensor
+    x_sigma: torch.Tensor
+    r: torch.Tensor  # [m] float64, train device
+
+
 def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
     """peft LoRA on the configured projections, 'gaussian' init (B = 0: the step-0 model is the
     base), trained weights in fp32."""
@@ -204,22 +217,24 @@ class Trainer:
         for i in range(0, len(pairs), size):
             yield pairs[i:i + size]
 
-    def _inputs(self, batch: PairBatch, sigmas: torch.Tensor, step: int, mb: list[tuple[int, int]]):
+    def _inputs(self, batch: PairBatch, sigmas: torch.Tensor, step: int, mb: list[tuple[int, int]]) -> MicroBatch:
         dev = self.policy.device
         pos = torch.tensor([p for p, _ in mb])
-        sig = sigmas[torch.tensor([j for _, j in mb])]
-        x0 = batch.x0[pos].to(dev)
+        index = pos.to(batch.x0.device)
+        sig = sigmas[torch.tensor([j for _, j in mb])].to(dev)
+        x0 = batch.x0[index].to(dev)
         eps = torch.stack([pair_noise(self.cfg, step, batch.sample_ids[p], j, x0.shape[1:]) for p, j in mb]).to(dev)
-        x_sigma = nft.corrupt(x0, sig.to(dev), eps)
-        return pos, sig.to(dev), x0, x_sigma
+        return MicroBatch(pos, index, sig, x0, nft.corrupt(x0, sig, eps), batch.r[pos].to(dev))
 
-    def _forward(self, x_sigma, sig, batch: PairBatch, pos):
+    def _forward(self, x_sigma, sig, batch: PairBatch, index: torch.Tensor):
+        """The live policy's velocity at the pairs whose samples `index` (on the rollout tensors'
+        device) names."""
         from hpcnft.sampler import velocity
 
         dev = self.policy.device
         with self.policy.autocast():
-            return velocity(self.policy.transformer, x_sigma, sig, batch.prompt_embeds[pos].to(dev),
-                            batch.pooled[pos].to(dev), self.policy.compute_dtype)
+            return velocity(self.policy.transformer, x_sigma, sig, batch.prompt_embeds[index].to(dev),
+                            batch.pooled[index].to(dev), self.policy.compute_dtype)
 
     def step(self, batch: PairBatch, sigmas: torch.Tensor, step: int) -> dict[str, float]:
         """One optimizer step over this rank's pairs; returns the step's metrics (all ranks)."""
@@ -233,11 +248,11 @@ class Trainer:
             if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
                 v_old = fast.old_velocities(self, batch, mbs)
             else:
-                v_old = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
+                v_old = [self._forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
         v_ref = None
         if cfg.nft.kl_beta > 0:
             with torch.no_grad(), policy.base_weights():
-                v_ref = [self._forward(x_sigma, sig, batch, pos) for pos, sig, _, x_sigma in mbs]
+                v_ref = [self._forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
         self.optimizer.zero_grad(set_to_none=True)
         dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=policy.device)
         host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
@@ -259,16 +274,16 @@ class Trainer:
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
                              used_scale)
 
-    def _micro_batch(self, batch: PairBatch, mb, v_old: torch.Tensor, v_ref, loss_norm: float, scale: float):
+    def _micro_batch(self, batch: PairBatch, mb: MicroBatch, v_old: torch.Tensor, v_ref, loss_norm: float,
+                     scale: float):
         """Forward, NFT loss and backward of one micro-batch (gradients accumulate); returns its
         metric sums (DEVICE_SUMS on the device, HOST_SUMS on the host)."""
         cfg = self.cfg
-        pos, sig, x0, x_sigma = mb
-        v_theta = self._forward(x_sigma, sig, batch, pos)
+        pos, sig, x0, x_sigma, r = mb.pos, mb.sigma, mb.x0, mb.x_sigma, mb.r
+        v_theta = self._forward(x_sigma, sig, batch, mb.index)
         v_pos, v_neg = nft.implicit_policies(v_theta.float(), v_old.float(), cfg.nft.beta)
         l_pos = nft.branch_loss(x_sigma, x0, sig, v_pos, cfg.nft.adaptive_weight)
         l_neg = nft.branch_loss(x_sigma, x0, sig, v_neg, cfg.nft.adaptive_weight)
-        r = batch.r[pos].to(l_pos.device)
         per_pair = nft.pair_loss(l_pos, l_neg, r, cfg.nft.adv_clip_max, cfg.nft.beta)
         total = per_pair
         kl = torch.zeros_like(per_pair)
