@@ -11,7 +11,7 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.vae_dtype | VAE decode in fp16/bf16 instead of the loaded fp32 (helper: `prepare_vae`) | half-precision decode |
 | perf.vae_channels_last | VAE decode in channels-last memory format (helper: `prepare_vae`) | conv algorithm choice |
 | perf.pickscore_dtype | PickScore towers in fp16, embeddings and the score in fp32 (helper: `prepare_scorer`) | fp16 towers |
-| perf.pickscore_preprocess | "device": CLIP's resize/crop/normalise as tensor ops on the scorer's device instead of PIL on the CPU (`reward.clip_pixel_values`) | antialiased bicubic of torch, not PIL: pixels within about a grey level |
+| perf.pickscore_preprocess | "device": CLIP's resize/crop/normalise as tensor ops on the scorer's device instead of PIL on the CPU (`reward.clip_pixel_values`), prompts padded to 77 tokens (one text-tower shape) | antialiased bicubic of torch, not PIL: pixels within about a grey level; text rounding only |
 | perf.fuse_qkv | the no-grad passes compute q, k, v (and the text stream's) with one GEMM on concatenated weights (`hpcnft.fused_qkv`); LoRA needs merge_lora_nograd | one GEMM's rounding instead of three |
 | perf.fused_lora | the trained forward computes a stream's q, k, v with one frozen base GEMM on concatenated weights and one GEMM on the concatenated LoRA A matrices (`hpcnft.fused_qkv`); not under FSDP2 per-linear groups | GEMM rounding |
 | perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |
@@ -319,7 +319,8 @@ class HalfPickScore:
 
 def prepare_scorer(scorer, cfg):
     """perf.pickscore_dtype = fp16: the scorer's model in half precision; perf.pickscore_preprocess
-    = device: CLIP's image preprocessing as tensor ops on the scorer's device (PickScoreScorer)."""
+    = device: CLIP's image preprocessing as tensor ops on the scorer's device and prompts padded
+    to 77 tokens (PickScoreScorer)."""
     if cfg.perf.pickscore_dtype == "fp16" and not isinstance(scorer.model, HalfPickScore):
         scorer.model = HalfPickScore(scorer.model, torch.float16)
     scorer.preprocess_on_device = cfg.perf.pickscore_preprocess == "device"

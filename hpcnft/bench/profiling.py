@@ -15,6 +15,10 @@ ATTENTION = ("flash_", "fmha", "attention", "sdpa")
 BACKWARD = ("bwd", "backward", "bprop", "cutlassb")  # cuDNN SDPA says fprop/bprop, mem-efficient cutlassF/B
 GEMM = ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet")
 TOP_OPS = 15
+# What the profiler lists among device events but are not kernels: "Command Buffer Full" marks
+# the time a launch waited for room in a full launch queue (the CPU is ahead: GPU-bound); named
+# ranges (record_function, hpcnft.perf.span) are also drawn on the GPU timeline, as user annotations.
+NOT_KERNELS = ("Command Buffer Full",)
 
 
 def kernel_category(name: str) -> str:
@@ -43,7 +47,9 @@ def _device_kernels(prof) -> list[tuple[str, float]]:
     """(name, seconds) of every device-side event (kernels, memcpy, memset) of the profile."""
     from torch.autograd import DeviceType
 
-    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and e.name not in NOT_KERNELS
+            and not getattr(e, "is_user_annotation", False)]
 
 
 def _top_cpu_ops(prof, n: int = TOP_OPS) -> tuple[float, list[dict]]:
@@ -54,16 +60,30 @@ def _top_cpu_ops(prof, n: int = TOP_OPS) -> tuple[float, list[dict]]:
                     "share": a.self_cpu_time_total / 1e6 / total if total > 0 else 0.0} for a in top]
 
 
-def spans(prof, prefix: str = "hpcnft/") -> dict:
-    """Totals of each named range `hpcnft/...` (hpcnft.perf.span) in the profile: calls, host
-    seconds, and the device seconds of the kernels launched inside it."""
-    out = {}
-    for a in prof.key_averages():
-        if a.key.startswith(prefix):
-            device_us = getattr(a, "device_time_total", None)
-            if device_us is None:  # older torch
-                device_us = getattr(a, "cuda_time_total", 0.0)
-            out[a.key[len(prefix):]] = {"calls": a.count, "cpu_s": a.cpu_time_total / 1e6, "device_s": device_us / 1e6}
+def _device_us(a) -> float:
+    us = getattr(a, "device_time_total", None)
+    return getattr(a, "cuda_time_total", 0.0) if us is None else us  # older torch: cuda_time_total
+
+
+def spans(averages, prefix: str = "hpcnft/") -> dict:
+    """Totals of each named range `hpcnft/...` (hpcnft.perf.span) in a profile's key_averages():
+    calls, host seconds, and device seconds. On a GPU the profiler lists a range twice: on the
+    host (whose device total also counts the launch queue's waits) and as drawn on the GPU's
+    timeline (no host time), which gives device_s when present."""
+    out, on_gpu_timeline = {}, set()
+    for a in averages:
+        if not a.key.startswith(prefix):
+            continue
+        name = a.key[len(prefix):]
+        rec = out.setdefault(name, {"calls": 0, "cpu_s": 0.0, "device_s": 0.0})
+        rec["calls"] = max(rec["calls"], a.count)
+        if a.cpu_time_total > 0:
+            rec["cpu_s"] = a.cpu_time_total / 1e6
+            if name not in on_gpu_timeline:
+                rec["device_s"] = _device_us(a) / 1e6
+        else:
+            rec["device_s"] = _device_us(a) / 1e6
+            on_gpu_timeline.add(name)
     return out
 
 
@@ -86,7 +106,7 @@ def profile_call(fn, ctx, dev, path: str) -> dict:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(table + "\n")
-    out = {"device": dev.type, "wall_s": wall, "table": path, "spans": spans(prof)}
+    out = {"device": dev.type, "wall_s": wall, "table": path, "spans": spans(prof.key_averages())}
     if cuda:
         kernels = _device_kernels(prof)
         cat = categorize(kernels)

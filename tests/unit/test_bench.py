@@ -59,3 +59,39 @@ def test_one_matmul_ceiling_for_the_loop_and_the_bench():
     assert m["flops_per_s"] == pytest.approx(2 * 64**3 / m["s"])
     assert matmul_ceiling(cpu, torch.float16) > 0  # fp32 on a CPU, whatever the compute dtype
     assert set(bench_ceiling(cpu, 64)) == {"fp32_tflops"}
+
+
+class _Avg:
+    def __init__(self, key, count, cpu_us, device_us):
+        self.key, self.count, self.cpu_time_total, self.device_time_total = key, count, cpu_us, device_us
+
+
+def test_spans_take_host_time_from_the_host_range_and_device_time_from_the_gpu_timeline():
+    from hpcnft.bench.profiling import spans
+
+    # as torch.profiler lists them on a GPU: the host range (its device total counts the launch
+    # queue's waits) and the same range on the GPU timeline, in either order
+    host = _Avg("hpcnft/train/old_pass", 1, 3.0e6, 6.0e6)
+    gpu = _Avg("hpcnft/train/old_pass", 1, 0.0, 3.1e6)
+    other = _Avg("aten::mm", 10, 1.0e6, 2.0e6)
+    for rows in ([host, gpu, other], [gpu, host, other]):
+        assert spans(rows) == {"train/old_pass": {"calls": 1, "cpu_s": 3.0, "device_s": 3.1}}
+    # a CPU run: one range, its device time 0
+    assert spans([_Avg("hpcnft/rollout/sample", 2, 1.5e6, 0.0)]) == {
+        "rollout/sample": {"calls": 2, "cpu_s": 1.5, "device_s": 0.0}}
+
+
+def test_launch_queue_waits_and_named_ranges_are_not_kernels():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from hpcnft.bench.profiling import _device_kernels
+
+    def ev(name, us, dt=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=dt, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+    prof = SimpleNamespace(events=lambda: [ev("nvjet_sm90_gemm", 10.0), ev("Command Buffer Full", 500.0),
+                                           ev("hpcnft/train/step", 900.0, annotation=True),
+                                           ev("aten::mm", 12.0, DeviceType.CPU)])
+    assert _device_kernels(prof) == [("nvjet_sm90_gemm", 1e-5)]

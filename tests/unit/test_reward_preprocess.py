@@ -51,3 +51,38 @@ def test_a_processor_that_is_not_clips_is_refused(scorer):
     ip.do_center_crop = False
     with pytest.raises(ValueError, match="pickscore_preprocess"):
         clip_pixel_values(_smooth(1, 64, 64), ip, torch.device("cpu"))
+
+
+def test_device_path_gives_the_text_tower_one_shape_and_the_same_score(scorer):
+    """Prompts of any length reach the text tower as 77 tokens on the device path (one shape, so
+    attention kernels are planned once), and the score moves by rounding only: CLIP's causal mask
+    keeps the padding after the end token away from the pooled end-token embedding."""
+    short, long = ["a cat"] * 2, ["a very long prompt about a red house on a green hill at dawn"] * 2
+    seen = []
+    original = scorer.model.get_text_features
+
+    def spy(**kw):
+        seen.append(tuple(kw["input_ids"].shape))
+        return original(**kw)
+    images = _smooth(2, 256, 256, seed=2)
+    scorer.model.get_text_features = spy
+    try:
+        scorer.preprocess_on_device = False
+        ref = [scorer(p, images) for p in (short, long)]
+        scorer.preprocess_on_device = True
+        padded = [scorer(p, images) for p in (short, long)]
+    finally:
+        del scorer.model.get_text_features
+    assert seen[0][1] < seen[1][1] < 77  # the reference pads to each batch's longest prompt
+    assert seen[2] == seen[3] == (2, 77)
+    assert scorer.text_tokens(short)["input_ids"].shape == (2, 77)
+    # the image path differs too (tensor ops against PIL): compare through the text tower alone
+    for p in (short, long):
+        scorer.preprocess_on_device = False
+        loose = scorer.model.get_text_features(**scorer.text_tokens(p))
+        scorer.preprocess_on_device = True
+        fixed = scorer.model.get_text_features(**scorer.text_tokens(p))
+        loose, fixed = (t if isinstance(t, torch.Tensor) else t.pooler_output for t in (loose, fixed))
+        torch.testing.assert_close(fixed, loose, atol=1e-5, rtol=1e-5)
+    for r, q in zip(ref, padded):
+        assert (r - q).abs().max() < 0.05 * r.std().clamp_min(1e-3) + 1e-4
