@@ -70,13 +70,19 @@ def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(1).mean(dim=1)
 
 
+def _squared(x: torch.Tensor) -> torch.Tensor:
+    """x * x: the same values and gradient bits as x.square(), whose backward (pow's) copies its
+    exponent from the host to the device at every call, a wait for the GPU to drain."""
+    return x * x
+
+
 def branch_loss(x_sigma: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, v: torch.Tensor,
                 adaptive: bool) -> torch.Tensor:
     """Per-pair L = mean_CHW (x0_hat - x0)^2 / w with x0_hat = x_sigma - sigma v and
     w = max(mean_CHW |x0_hat - x0|, 1e-5) computed in float64 without gradient."""
     s = sigma.to(torch.float32).view(-1, *([1] * (x0.dim() - 1)))
     err = (x_sigma - s * v.to(torch.float32)) - x0.to(torch.float32)
-    mse = _per_sample_mean(err.square())
+    mse = _per_sample_mean(_squared(err))
     if not adaptive:
         return mse
     with torch.no_grad():
@@ -93,7 +99,7 @@ def pair_loss(loss_pos: torch.Tensor, loss_neg: torch.Tensor, r: torch.Tensor, c
 
 def kl_to_reference(v_theta: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
     """Per-pair mean_CHW (v_theta - v_ref)^2 (official's KL term to the frozen base)."""
-    return _per_sample_mean((v_theta.to(torch.float32) - v_ref.to(torch.float32)).square())
+    return _per_sample_mean(_squared(v_theta.to(torch.float32) - v_ref.to(torch.float32)))
 
 
 def ema_decay(k: int, ramp: float, max_decay: float, flat_steps: int = 0, flat_decay: float = 0.0) -> float:

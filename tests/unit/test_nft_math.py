@@ -413,3 +413,18 @@ def test_reward_stats_hand_case():
 
 def test_reward_stats_median_odd_count():
     assert nft.reward_stats(torch.tensor([5.0, 1.0, 3.0]))["raw_median"] == 3.0
+
+
+def test_the_branch_loss_squares_without_pow_bit_for_bit():
+    """err * err instead of err.square(): pow's backward copies its exponent to the device at each
+    call; the loss and its gradient keep their bits."""
+    from hpcnft.nft import _squared
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3, 8, 8, generator=g, requires_grad=True)
+    y = x.detach().clone().requires_grad_(True)
+    w = torch.randn(4, 3, 8, 8, generator=g)
+    (_squared(x) * w).sum().backward()
+    (y.square() * w).sum().backward()
+    assert torch.equal(_squared(x), y.square()) and torch.equal(x.grad, y.grad)
+    assert "Pow" not in type(_squared(x).grad_fn).__name__
