@@ -138,11 +138,13 @@ class TrainRank:
         cfg = self.cfg
         t_start = time.perf_counter()
         prompts = self.stream.for_step(step, cfg.rollout.prompts_per_step)
+        mine = owned_range(cfg.samples_per_step, self.topo)
+        if self.topo.device.type == "cuda":  # the host draws the pairs' noise while the GPU samples
+            self.trainer.noise.prefetch(step, list(mine), self.latent_shape, pin=True)
         ro = self.rollout(step, prompts)
         rewards = self.gather(ro.rewards.to(torch.float32))
         adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator)
         r = nft.optimality_r(adv, cfg.nft.adv_clip_max)
-        mine = owned_range(cfg.samples_per_step, self.topo)
         k = nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction)
         batch = PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
                           list(mine), cfg.samples_per_step * k)

@@ -157,3 +157,49 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
     out_plain, grads_plain = run(False)
     assert torch.equal(out_cast, out_plain)
     assert all(torch.equal(a, b) for a, b in zip(grads_cast, grads_plain))
+
+
+# ---------------------------------------------------------------------------------------------
+# PairNoise: the step's pair noise, prefetched in a worker thread or drawn in line, same values
+# ---------------------------------------------------------------------------------------------
+def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(monkeypatch):
+    import threading
+
+    from hpcnft import trainer as trainer_mod
+    from hpcnft.trainer import PairNoise
+
+    cfg = load_config("tiny", [])
+    ids, shape, step = [4, 5, 6], (2, 4, 4), 3
+    pairs = train_sigma_pairs(cfg, ids, step)
+    inline = PairNoise(cfg).take(step, ids, pairs, shape)
+    assert inline.shape == (len(pairs), *shape)
+    for k, (p, j) in enumerate(pairs):
+        assert torch.equal(inline[k], pair_noise(cfg, step, ids[p], j, shape))
+
+    threads = []
+    real = trainer_mod.pair_noise
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*a, **kw)
+    monkeypatch.setattr(trainer_mod, "pair_noise", spy)
+    noise = PairNoise(cfg)
+    noise.prefetch(step, ids, shape, pin=False)
+    got = noise.take(step, ids, pairs, shape)
+    assert torch.equal(got, inline)
+    assert threads and all(t.startswith("hpcnft-noise") for t in threads)
+
+
+def test_pair_noise_prefetched_for_other_samples_is_not_used():
+    from hpcnft.trainer import PairNoise
+
+    cfg = load_config("tiny", [])
+    shape = (2, 4, 4)
+    noise = PairNoise(cfg)
+    noise.prefetch(3, [0, 1], shape, pin=False)
+    pairs = train_sigma_pairs(cfg, [2, 3], 3)
+    got = noise.take(3, [2, 3], pairs, shape)  # another rank's samples, say: drawn afresh
+    assert torch.equal(got, PairNoise(cfg).take(3, [2, 3], pairs, shape))
+    noise.prefetch(3, [0, 1], shape, pin=False)
+    assert not torch.equal(noise.take(4, [0, 1], train_sigma_pairs(cfg, [0, 1], 4), shape),
+                           PairNoise(cfg).take(3, [0, 1], train_sigma_pairs(cfg, [0, 1], 3), shape))
