@@ -28,7 +28,7 @@ its own deterministic-algorithm rules): see `effective`.
 
 `FAST` is the combination `hpcnft bench` measures as "hpcnft fast"; `hpcnft bench --shapes
 sd35m --baseline --levers all` prints what each lever gives alone and together. Measured on one
-H200 (docs/bench/README.md): FAST runs an iteration in 14.7 s against 30.0 s for the plain
+H200 (docs/bench/README.md): FAST runs an iteration in 14.5 s against 29.7 s for the plain
 diffusers + peft stack; channels-last VAE, the flash/efficient SDPA backends (cuDNN's, PyTorch's
 own pick, is the fastest there), batches of 64 and overlap_reward gave no gain there and are
 left out of FAST.
