@@ -1,6 +1,8 @@
 """Preemption: a signal (default SIGUSR2, as `#SBATCH --signal=USR2@120` sends; SIGTERM too
 when configured) sets a flag; at the end of the iteration the ranks agree, checkpoint, close
-run.h5 and exit with EXIT_PREEMPTED; under Slurm rank 0 requeues the job."""
+run.h5 and exit with EXIT_PREEMPTED; under Slurm rank 0 then requeues the job (Slurm kills the
+job's processes right after a requeue, so it comes last), unless the signal was Slurm's own
+SIGTERM: then Slurm is ending the job already and has decided what follows."""
 from __future__ import annotations
 
 import signal
@@ -13,12 +15,22 @@ class PreemptFlag:
         self.signal_name = ""
         self.log = log
         names = [signal_name] + (["SIGTERM"] if handle_sigterm and signal_name != "SIGTERM" else [])
+        self.signals = []
         for name in names:
             try:
                 signum = signal.Signals[name]
             except KeyError:
                 raise ValueError(f"preempt.signal: unknown signal {name!r}") from None
             signal.signal(signum, self._handler)
+            self.signals.append(signum)
+
+    def retire(self) -> None:
+        """Ignore the preempt signals from now on: the rank has finished (or failed) and its exit
+        code is decided. Python puts a signal with a Python handler back to its default action
+        when the interpreter shuts down, and SIGUSR2's default kills the process: a time-limit
+        warning that lands while a finished rank tears down would turn exit 0 into a kill."""
+        for signum in self.signals:
+            signal.signal(signum, signal.SIG_IGN)
 
     def _handler(self, signum, _frame) -> None:
         if not self.requested:
@@ -26,6 +38,18 @@ class PreemptFlag:
             self.log.warning("received %s: will checkpoint and stop at the end of this iteration",
                              self.signal_name)
         self.requested = True
+
+
+def leave_requeue_to_slurm(received: str, preempt_signal: str) -> str | None:
+    """Why a preempted rank 0 does not requeue the job itself, or None when it should.
+    SIGTERM, unless it is the configured preempt signal, is how Slurm ends a job: scancel (the
+    user wants it gone), an external `scontrol requeue` or a preemption with requeue (Slurm
+    requeues it), the time limit (the job is over; a time-limited job asks for the warning
+    signal, `--signal=USR2@120`, to be requeued)."""
+    if received == "SIGTERM" and preempt_signal != "SIGTERM":
+        return ("SIGTERM: Slurm is ending the job (scancel, scontrol requeue, time limit or preemption); "
+                "not requeued by hpcnft")
+    return None
 
 
 def requeue(job_id: str, log) -> str:

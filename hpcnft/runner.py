@@ -15,7 +15,7 @@ from hpcnft.launch import LaunchInfo
 from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
                          log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
 from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
-from hpcnft.preempt import PreemptFlag, requeue
+from hpcnft.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
 from hpcnft.reward import PickScoreScorer
 from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
@@ -124,6 +124,7 @@ class TrainJob:
         self.tr = build_train_rank(cfg, topo, group, mesh)
         self.writer = None
         self.warnings: list[str] = []
+        self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
 
     def _warn(self, text: str) -> None:
         log.warning(text)
@@ -240,7 +241,9 @@ class TrainJob:
             self.writer.event(step, "signal", f"{why}: checkpointed step {step}, stopping")
             job = self.topo.job_id
             if job and self.cfg.preempt.requeue and not os.environ.get("SUBMITIT_EXECUTOR"):
-                self.writer.event(step, "requeue", requeue(job, log))
+                skip = leave_requeue_to_slurm(self.flag.signal_name, self.cfg.preempt.signal)
+                self.writer.event(step, "requeue", skip or f"requeue of Slurm job {job} requested")
+                self.requeue_job = "" if skip else job
         if self.topo.rank == 0:
             print(f"hpcnft: preempted at step {step}; the same command resumes from its checkpoint", flush=True)
         return EXIT_PREEMPTED
@@ -260,8 +263,20 @@ def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
             job.tr.client.report_error(fail_line(topo, e))
         raise
     finally:
-        if job.writer:
-            job.writer.close()
+        close_then_requeue(job.writer, job.requeue_job)
+
+
+def close_then_requeue(writer, job_id: str) -> None:
+    """Close run.h5, then requeue the Slurm job: Slurm kills the job's processes right after a
+    requeue, and a writer killed with the file open leaves it flagged for recovery."""
+    if writer:
+        writer.close()
+    if job_id:
+        outcome = requeue(job_id, log)
+        if outcome.startswith("requeued"):
+            print(f"hpcnft: {outcome}", flush=True)
+        else:
+            print_err(outcome)
 
 
 def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
@@ -270,6 +285,13 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    try:
+        return _run_rank(cfg, info, recipe, flag)
+    finally:
+        flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
+
+
+def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
     try:
         # The tiny models are built (once, under a file lock) before the process group exists:

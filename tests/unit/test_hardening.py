@@ -337,6 +337,79 @@ def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
     assert not (tmp_path / "MARKER").exists() and not (tmp_path / "M2").exists()
 
 
+_LATE_SIGNAL = r"""
+import logging, signal, sys
+from hpcnft.preempt import PreemptFlag
+flag = PreemptFlag("SIGUSR2", True, logging.getLogger("t"))
+if sys.argv[1] == "retired":
+    flag.retire()
+# What CPython does when it shuts down: a signal with a Python handler goes back to its default.
+for s in (signal.SIGUSR2, signal.SIGTERM):
+    if callable(signal.getsignal(s)):
+        signal.signal(s, signal.SIG_DFL)
+signal.raise_signal(signal.SIGUSR2)
+signal.raise_signal(signal.SIGTERM)
+print("finished")
+"""
+
+
+def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", _LATE_SIGNAL, "retired"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "finished", done.stderr
+    killed = subprocess.run([sys.executable, "-c", _LATE_SIGNAL, "active"], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGUSR2  # what a rank without retire() meets
+
+
+def test_run_rank_retires_its_preempt_flag_on_every_way_out(tmp_path):
+    import signal
+
+    from hpcnft.launch import detect
+    from hpcnft.loop import EXIT_BAD_INPUT
+    from hpcnft.runner import run_rank
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
+        assert run_rank(cfg, detect({}), "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
+    from hpcnft.preempt import leave_requeue_to_slurm
+
+    assert leave_requeue_to_slurm("SIGUSR2", "SIGUSR2") is None  # the time-limit warning: requeue
+    assert leave_requeue_to_slurm("", "SIGUSR2") is None  # the reward rank's signal: requeue
+    assert leave_requeue_to_slurm("SIGTERM", "SIGTERM") is None  # SIGTERM as the configured warning
+    why = leave_requeue_to_slurm("SIGTERM", "SIGUSR2")  # scancel, scontrol requeue, time limit
+    assert why.startswith("SIGTERM: Slurm is ending the job") and "not requeued" in why
+
+
+def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
+    from hpcnft import runner
+
+    order = []
+    writer = types.SimpleNamespace(close=lambda: order.append("close"))
+
+    def fake_requeue(job, log):
+        order.append(f"requeue {job}")
+        return f"requeued Slurm job {job}" if job == "7" else f"scontrol requeue {job} failed: Invalid job id"
+    monkeypatch.setattr(runner, "requeue", fake_requeue)
+    runner.close_then_requeue(writer, "7")
+    assert order == ["close", "requeue 7"]  # Slurm kills the job's processes right after a requeue
+    assert "hpcnft: requeued Slurm job 7" in capsys.readouterr().out
+    order.clear()
+    runner.close_then_requeue(writer, "")  # not under Slurm, or SIGTERM: close only
+    assert order == ["close"]
+    runner.close_then_requeue(None, "8")
+    assert capsys.readouterr().err.strip() == "hpcnft: scontrol requeue 8 failed: Invalid job id"
+
+
 @pytest.mark.parametrize("script", ["sd3_pickscore.sbatch", "tiny.sbatch"])
 def test_sbatch_scripts_pass_a_nasty_run_dir_and_prompt_path_intact(tmp_path, script):
     fake = tmp_path / "fake_hpcnft"
