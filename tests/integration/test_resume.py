@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import pytest
 
@@ -30,12 +31,20 @@ def preempt_during(run_dir: str, step: int, extra=()) -> int:
     agreement of that step, else step) and exits 75. Returns that step."""
     proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir, *extra)
     wait_for_line(proc, f"step {step - 1}/{STEPS}")
+    sent = time.strftime("%H:%M:%S")
     proc.send_signal(signal.SIGUSR2)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, err
+    assert proc.returncode == 75, f"SIGUSR2 sent at {sent}\n{out}\n{err}\n{rank_logs(run_dir)}"
     stopped = int(re.search(r"preempted at step (\d+)", out).group(1))
     assert stopped in (step - 1, step), out
     return stopped
+
+
+def rank_logs(run_dir: str) -> str:
+    """The ranks' logs, timestamped: when each rank saw the signal, if it did."""
+    logs = os.path.join(run_dir, "logs")
+    return "\n".join(f"--- {name}\n" + open(os.path.join(logs, name)).read()
+                     for name in sorted(os.listdir(logs))) if os.path.isdir(logs) else "(no logs)"
 
 
 def sigkill_during(run_dir: str, step: int, extra=()) -> None:
