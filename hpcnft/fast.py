@@ -17,10 +17,11 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |
 | perf.compile_vae | torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only | fused kernels round differently |
 | perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
+| perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old, training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
 (skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
-pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward)
+pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
 so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
 (the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under

@@ -102,7 +102,7 @@ class TrainRank:
         t0 = time.perf_counter()
         mine = list(owned_range(cfg.samples_per_step, self.topo))
         x0s, pes, pools, imgs, pending = [], [], [], [], []
-        with self.policy.old_weights():
+        with self.policy.rollout_weights():  # perf.rollout_fp8 applies here only
             for chunk in chunks(mine, cfg.rollout.batch_size):
                 with span("rollout/sample"):
                     noise = initial_noise(self.latent_shape, cfg.rollout.seed, step, chunk, "rollout_noise")

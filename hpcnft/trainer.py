@@ -163,6 +163,19 @@ class Policy:
                     _local(p).copy_(x)
 
     @contextlib.contextmanager
+    def rollout_weights(self):
+        """pi_old for the rollout: old_weights, with the blocks' GEMMs in fp8 under perf.rollout_fp8
+        (v_old, training and evaluation keep their precision)."""
+        with self.old_weights():
+            if fast.effective(self.cfg).rollout_fp8:
+                from hpcnft import fp8
+
+                with fp8.rollout_linears(self.transformer):
+                    yield
+            else:
+                yield
+
+    @contextlib.contextmanager
     def base_weights(self):
         """The frozen base model (LoRA adapters off), for the KL reference."""
         self.transformer.disable_adapters()

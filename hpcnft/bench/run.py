@@ -193,6 +193,10 @@ class Bench:
             rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
             self.log(f"pickscore_preprocess=device vs PIL, |score difference|: {rec['pickscore_preprocess_cost']}")
             self.save()
+        if fast.cfg.perf.rollout_fp8:
+            rec["rollout_fp8_cost"] = fast.rollout_fp8_cost(fast_b)
+            self.log(f"rollout_fp8 vs {fast.cfg.train.precision} rollout: {rec['rollout_fp8_cost']}")
+            self.save()
         if args.profile:
             self.profile(fast, rec, max(fb), max(fm))
         self.free(fast)

@@ -141,7 +141,7 @@ class HpcnftStack:
         def fn():
             with torch.no_grad(), policy.autocast():
                 velocity(policy.transformer, x, s, pe, pooled, policy.compute_dtype)
-        return fn, policy.old_weights
+        return fn, policy.rollout_weights
 
     def vae_decode(self, b: int):
         from hpcnft.sampler import decode_to_uint8
@@ -170,6 +170,39 @@ class HpcnftStack:
                          "score_std": float(scores[False].std()), "n": n}
         scorer.preprocess_on_device = True
         return out
+
+    def rollout_fp8_cost(self, n: int) -> dict:
+        """What perf.rollout_fp8 costs: n samples (one batch, the same noise and conditioning)
+        sampled with the blocks' GEMMs in fp8 and in the compute dtype. The velocity of one
+        forward, the final latents, and PickScore of the decoded images, compared."""
+        torch = _torch()
+        from hpcnft.sampler import Conditioning, decode_to_uint8, euler_sample, velocity
+
+        policy, cfg = self.policy, self.cfg
+        noise = self._latent(n, seed=11).to(self.dev)
+        pe, pooled = (t.to(self.dev) for t in self._cond(n, seed=12))
+        prompts = prompt_list(n)
+        out, saved = {}, cfg.perf.rollout_fp8
+        try:
+            for fp8 in (True, False):
+                cfg.perf.rollout_fp8 = fp8
+                with policy.rollout_weights():
+                    with torch.no_grad(), policy.autocast():
+                        v = velocity(policy.transformer, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled,
+                                     policy.compute_dtype).float()
+                    x0 = euler_sample(policy.transformer, noise, self.sigmas, Conditioning(pe, pooled),
+                                      cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast)
+                images = decode_to_uint8(self.vae, x0, cfg.rollout.uint8_rounding)
+                out[fp8] = (v, x0.float(), self.scorer(prompts, images).double(), images)
+        finally:
+            cfg.perf.rollout_fp8 = saved
+        (v8, x8, s8, i8), (v16, x16, s16, i16) = out[True], out[False]
+        rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+        diff = (s8 - s16).abs()
+        return {"n": n, "velocity_rel_error": rel(v8, v16), "latent_rel_error": rel(x8, x16),
+                "pixels_mean_abs": float((i8.float() - i16.float()).abs().mean()),
+                "pickscore_max_abs": float(diff.max()), "pickscore_mean_abs": float(diff.mean()),
+                "pickscore_mean_shift": float((s8 - s16).mean()), "pickscore_std": float(s16.std())}
 
     def train_pairs(self, mb: int):
         """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""

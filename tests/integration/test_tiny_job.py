@@ -113,3 +113,18 @@ def test_fp16_path_skips_the_overflowing_first_step(tmp_path):
 def test_show_summarises_the_run(three_steps):
     r = hpcnft("show", three_steps[0])
     assert "topology" in r.stdout and "attempts (1)" in r.stdout and "train/nft_loss" in r.stdout
+
+
+def test_fp8_rollout_moves_the_rollout_and_not_the_evaluation(tmp_path):
+    """perf.rollout_fp8 multiplies the rollout's GEMMs in fp8: its rewards move (a little); the
+    evaluation of the same policy keeps the full-precision forward."""
+    runs = {}
+    for fp8 in (False, True):
+        run_dir = str(tmp_path / f"fp8-{fp8}")
+        hpcnft("run", "tiny", "--steps", "1", "--run-dir", run_dir, "--set", "eval.at_start=true",
+               "--set", "eval.at_end=false", "--set", f"perf.rollout_fp8={str(fp8).lower()}")
+        runs[fp8] = read_run(run_dir).metrics
+    for key in ("eval/pickscore_mean", "eval/pickscore_std"):
+        assert runs[True][key][0, 0] == 0 and runs[True][key][0, 1] == runs[False][key][0, 1], key  # step 0
+    fp8_reward, reward = runs[True]["rollout/reward/raw_mean"][-1, 1], runs[False]["rollout/reward/raw_mean"][-1, 1]
+    assert fp8_reward != reward and abs(fp8_reward - reward) < 0.05

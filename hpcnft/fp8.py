@@ -1,0 +1,146 @@
+"""perf.rollout_fp8: the rollout's DiT forwards with fp8 (e4m3) GEMMs.
+
+While `rollout_linears` is entered, every large linear of the DiT's transformer blocks (the
+attention projections, fused q/k/v included, and the feed-forwards) multiplies in fp8 through
+`torch._scaled_mm`: weights quantized once at entry with one scale per output channel,
+activations quantized per row (per token) at each call, products accumulated in fp32 and
+rescaled. The modulation linears (one row per sample), the embedders and the final projection
+stay in half precision. Under FSDP2 each rank quantizes the gathered weights at entry. Used for the rollout only: v_old, the trained forward and evaluation
+keep their precision, so the NFT loss and the eval rewards are those of the fp16 model.
+
+Rounding: e4m3 keeps 3 mantissa bits, so a product carries about 2^-4 relative error per
+element before accumulation; with per-row scales the error of a whole GEMM output is much
+smaller (errors of K products average). `hpcnft bench` reports what it costs in velocity and in
+PickScore at the real shapes (`rollout_fp8_cost`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# Per-sample linears (AdaLayerNorm modulation) have one row per sample: nothing to gain in fp8.
+# peft's own A/B linears stay as they are (rank r: small GEMMs; with merge_lora_nograd, unused).
+_KEEP = ("norm1.", "norm1_context.", "norm2.", "norm2_context.", "lora_")
+WEIGHT, SCALE = "hpcnft_fp8_weight", "hpcnft_fp8_scale"
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, 1] fp32) with x ~ q * scale; each row's largest
+    magnitude maps to the largest e4m3 value."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def scaled_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, W, b) with W = weight_q * weight_scale ([N, K] e4m3, [N, 1]) and x quantized
+    per row. The result has the dtype F.linear would give: the autocast dtype, else x's."""
+    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    rows = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(rows)
+    # Row-wise scaled fp8 GEMMs produce bf16; the cast to the compute dtype fuses into the consumer.
+    y = torch._scaled_mm(xq, weight_q.t(), scale_a=xs, scale_b=weight_scale.t(),
+                         out_dtype=torch.bfloat16, use_fast_accum=True).to(out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def supported(weight: torch.Tensor) -> bool:
+    """_scaled_mm needs both GEMM dimensions divisible by 16."""
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+class Fp8Linear(torch.nn.Linear):
+    """An nn.Linear whose forward runs on its fp8 buffers (the class is swapped in and out by
+    `rollout_linears`; the module keeps its own weight and bias untouched)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return scaled_linear(x, getattr(self, WEIGHT), getattr(self, SCALE), self.bias)
+
+
+def _store(module, name: str, value: torch.Tensor) -> None:
+    """Copy into the existing buffer when it fits (no reallocation between rollouts)."""
+    current = getattr(module, name, None)
+    if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    else:
+        module.register_buffer(name, value, persistent=False)
+
+
+@torch.no_grad()
+def _quantize_into(module, weight: torch.Tensor, prefix: str = "") -> None:
+    q, scale = quantize_rows(weight)
+    _store(module, prefix + WEIGHT, q)
+    _store(module, prefix + SCALE, scale)
+
+
+def block_linears(transformer, skip=()) -> list[torch.nn.Linear]:
+    """The plain nn.Linear layers of the DiT blocks that go fp8 (peft's base layers under LoRA),
+    but those in `skip`."""
+    skip = {id(m) for m in skip}
+    return [m for name, m in transformer.transformer_blocks.named_modules()
+            if type(m) is torch.nn.Linear and id(m) not in skip and not any(k in name for k in _KEEP)
+            and supported(m.weight)]
+
+
+def _base(linear):
+    return linear.get_base_layer() if hasattr(linear, "get_base_layer") else linear
+
+
+class Fp8FusedQKVProcessor:
+    """fused_qkv's processor with the fused q/k/v GEMMs in fp8 (one object for dynamo)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        from hpcnft import fused_qkv
+
+        def project(x, context: bool):
+            prefix = "added_" if context else ""
+            bias = getattr(attn, fused_qkv.ADDED_BIAS if context else fused_qkv.BIAS)
+            return scaled_linear(x, getattr(attn, prefix + WEIGHT), getattr(attn, prefix + SCALE), bias).chunk(3, dim=-1)
+        return fused_qkv.joint_attention(attn, hidden_states, encoder_hidden_states, project)
+
+
+_FUSED = Fp8FusedQKVProcessor()
+
+
+@contextlib.contextmanager
+def rollout_linears(transformer):
+    """While inside, the blocks' linears (and fused q/k/v) run in fp8 on weights quantized at
+    entry; on exit the classes and processors are put back (the weights are never changed)."""
+    from hpcnft import fused_qkv
+    from hpcnft.fast import full_tensor
+
+    fused = [m for m in transformer.modules()
+             if isinstance(getattr(m, "processor", None), fused_qkv.FusedQKVProcessor)
+             and supported(getattr(m, fused_qkv.WEIGHT))]
+    projections = [_base(getattr(a, n)) for a in fused for n in ("to_q", "to_k", "to_v", "add_q_proj",
+                                                                    "add_k_proj", "add_v_proj")
+                   if getattr(a, n, None) is not None]  # unused while fused
+    linears = block_linears(transformer, skip=projections)
+    for m in linears:
+        # Under FSDP2 each rank keeps a whole fp8 copy (gathered here, collectively, at entry); the
+        # blocks' all-gathers still run, but their half-precision weights go unused.
+        _quantize_into(m, full_tensor(m.weight.detach()))
+    for attn in fused:
+        _quantize_into(attn, getattr(attn, fused_qkv.WEIGHT))
+        added = getattr(attn, fused_qkv.ADDED_WEIGHT)
+        if added is not None:
+            _quantize_into(attn, added, prefix="added_")
+    saved = [a.processor for a in fused]
+    try:
+        for m in linears:
+            m.__class__ = Fp8Linear
+        for attn in fused:
+            attn.processor = _FUSED
+        yield len(linears) + len(fused)
+    finally:
+        for m in linears:
+            m.__class__ = torch.nn.Linear
+        for attn, proc in zip(fused, saved):
+            attn.processor = proc

@@ -1,0 +1,108 @@
+"""perf.rollout_fp8 on the CPU (torch._scaled_mm runs there too): row-wise e4m3 quantization,
+the fp8 linear against F.linear, the tiny DiT's rollout forward in fp8 against its fp32 forward,
+and a context that leaves the model as it found it."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hpcnft import fast, fp8, fused_qkv
+from hpcnft.config import load_config
+from hpcnft.sampler import velocity
+from hpcnft.tiny import TINY_TRANSFORMER
+from lora_tools import tiny_lora_dit
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_rows_quantize_to_their_own_scale():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.5, 2.0])[:, None]
+    x[4] = 0.0  # an all-zero row stays zero (no division by zero)
+    q, scale = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 1)
+    back = q.float() * scale
+    assert torch.equal(back[4], torch.zeros(64))
+    amax = x.abs().amax(dim=1)
+    assert torch.allclose(q.float().abs().amax(dim=1)[amax > 0], torch.tensor(fp8.E4M3_MAX))  # full range used
+    # e4m3: 3 mantissa bits, so at most half an ulp (2^-4 relative) per element of a row's range
+    err = (back - x).abs() / torch.where(x.abs() > 0, x.abs(), torch.ones(1))
+    assert float(err[x.abs() > amax[:, None] / 64].max()) <= 2.0 ** -4 + 1e-6
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_scaled_linear_is_close_to_the_linear_and_keeps_its_dtype(autocast):
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(2, 7, 64, generator=g), torch.randn(48, 64, generator=g) / 8, torch.randn(48, generator=g)
+    wq, ws = fp8.quantize_rows(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, ref = fp8.scaled_linear(x, wq, ws, b), F.linear(x, w, b)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    assert 0 < _rel(y, ref) < 0.05
+
+
+def _policy(**perf):
+    cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
+    return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
+
+
+def _velocity(policy):
+    c = TINY_TRANSFORMER
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, c["in_channels"], 8, 8, generator=g)
+    pe = torch.randn(3, 5, c["joint_attention_dim"], generator=g)
+    pooled = torch.randn(3, c["pooled_projection_dim"], generator=g)
+    with torch.no_grad():
+        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.1]), pe, pooled, torch.float32)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
+    policy = _policy(merge_lora_nograd=True, fuse_qkv=fuse)
+    tr = policy.transformer
+    before = _velocity(policy)
+    state = {k: v.clone() for k, v in tr.state_dict().items()}
+    with fast.nograd_weights(policy):
+        merged = _velocity(policy)
+        procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
+        with fp8.rollout_linears(tr) as n:
+            kinds = {type(m) for m in tr.transformer_blocks.modules()}
+            in_fp8 = _velocity(policy)
+            fused = [m for m in tr.modules() if isinstance(getattr(m, "processor", None), fp8.Fp8FusedQKVProcessor)]
+        assert [m.processor for m in tr.modules() if hasattr(m, "processor")] == procs
+        assert torch.equal(_velocity(policy), merged)  # the merged forward again, bit for bit
+    assert fp8.Fp8Linear in kinds and n > 0
+    assert bool(fused) == fuse  # the fused q/k/v GEMMs go fp8 too
+    # the modulation linears (one row per sample) stay in full precision
+    assert all(type(blk.norm1.linear) is torch.nn.Linear for blk in tr.transformer_blocks)
+    assert 0 < _rel(in_fp8, merged) < 0.05
+    assert not any(isinstance(m, fp8.Fp8Linear) for m in tr.modules())
+    assert torch.equal(_velocity(policy), before)
+    after = tr.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)  # no fp8 buffer saved
+
+
+def test_fp8_weights_follow_the_weights_at_entry():
+    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    with fast.nograd_weights(policy), fp8.rollout_linears(policy.transformer):
+        first = _velocity(policy)
+    with torch.no_grad():  # a training step moves the adapters
+        for layer in fast.lora_layers(policy.transformer):
+            layer.lora_B["default"].weight.mul_(-1.0)
+    with fast.nograd_weights(policy):
+        merged = _velocity(policy)
+        with fp8.rollout_linears(policy.transformer):
+            second = _velocity(policy)
+    assert _rel(second, merged) < 0.25 * _rel(first, merged)  # quantized from the new weights
+
+
+def test_fp8_only_where_scaled_mm_can_multiply():
+    assert fp8.supported(torch.empty(48, 64)) and not fp8.supported(torch.empty(40, 64))
+    tr = tiny_lora_dit(load_config("tiny", ["train.lora_rank=16"]))  # A and B of a shape fp8 could take
+    names = {n for n, m in tr.transformer_blocks.named_modules() if m in fp8.block_linears(tr)}
+    assert names and not any("norm" in n or "lora_" in n for n in names)
+    assert {"0.ff.net.2", "0.attn.to_out.0.base_layer", "0.ff_context.net.0.proj", "0.attn2.to_q"} <= names
+    assert fused_qkv.FusedQKVProcessor not in {type(getattr(m, "processor", None)) for m in tr.modules()}
