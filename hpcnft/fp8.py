@@ -123,6 +123,11 @@ def rollout_linears(transformer):
                                                                     "add_k_proj", "add_v_proj")
                    if getattr(a, n, None) is not None]  # unused while fused
     linears = block_linears(transformer, skip=projections)
+    device = next(transformer.parameters()).device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"perf.rollout_fp8: fp8 GEMMs need a GPU of compute capability 8.9 or newer "
+                           f"(this one: {major}.{minor}); set perf.rollout_fp8=false")
     for m in linears:
         # Under FSDP2 each rank keeps a whole fp8 copy (gathered here, collectively, at entry); the
         # blocks' all-gathers still run, but their half-precision weights go unused.
