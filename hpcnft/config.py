@@ -168,6 +168,7 @@ class PerfConfig:
     overlap_reward: bool = False  # world 1: PickScore in a worker thread while the next chunk samples
     compile_vae: bool = False  # torch.compile of the VAE decoder (GPU)
     cudnn_benchmark: bool = False  # cuDNN picks convolution algorithms by timing (VAE)
+    inductor_tuning: bool = False  # Inductor times block sizes of its Triton kernels (compile_blocks, compile_vae)
     rollout_fp8: bool = False  # the rollout's DiT blocks multiply in fp8 (e4m3, row-wise scales)
 
 

@@ -17,6 +17,7 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |
 | perf.compile_vae | torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only | fused kernels round differently |
 | perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
+| perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
 | perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old, training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
@@ -63,7 +64,7 @@ FAST = {
 }
 CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend", "perf.compile_vae", "perf.cudnn_benchmark")
 DETERMINISM_OFF = {"compile_blocks": False, "compile_vae": False, "cudnn_benchmark": False,
-                   "attention_backend": "default"}
+                   "attention_backend": "default", "inductor_tuning": False}
 
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -146,6 +147,15 @@ def compile_module(module) -> None:
     module._compiled_call_impl = _CompiledCall(module._call_impl, torch.compile(module._call_impl, dynamic=False))
 
 
+def inductor_options(perf) -> None:
+    """Process-wide Inductor settings for what is compiled next: perf.inductor_tuning has Inductor
+    search each generated Triton kernel's block sizes and warps by timing (coordinate descent)
+    instead of taking its heuristic pick; compiling takes longer."""
+    import torch._inductor.config as inductor
+
+    inductor.coordinate_descent_tuning = bool(perf.inductor_tuning)
+
+
 def compile_blocks(transformer) -> None:
     """Regional torch.compile: each DiT block compiled on its own (static shapes), the rest eager."""
     if getattr(transformer, "_hpcnft_compiled", False):
@@ -184,6 +194,7 @@ def prepare_policy(policy) -> None:
                 "perf.compile_blocks: skipped, the blocks hold FSDP2 groups (LoRA linears); on one rank set "
                 "perf.skip_single_rank_fsdp=true")
             return
+        inductor_options(perf)
         compile_blocks(policy.transformer)
 
 
@@ -294,6 +305,7 @@ def prepare_vae(vae, cfg):
     if perf.cudnn_benchmark and on_gpu:
         torch.backends.cudnn.benchmark = True
     if perf.compile_vae and on_gpu and not getattr(vae.decoder, "_hpcnft_compiled", False):
+        inductor_options(perf)
         compile_module(vae.decoder)
         vae.decoder._hpcnft_compiled = True
     return vae

@@ -89,6 +89,24 @@ def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
     assert fast.effective(cfg).compile_blocks
 
 
+def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode():
+    import torch._inductor.config as inductor
+    from hpcnft.config import Config
+
+    cfg = Config()
+    cfg.determinism.enabled = False
+    saved = inductor.coordinate_descent_tuning
+    try:
+        for on in (True, False):
+            cfg.perf = dataclasses.replace(cfg.perf, inductor_tuning=on)
+            fast.inductor_options(fast.effective(cfg))
+            assert inductor.coordinate_descent_tuning is on
+        cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, inductor_tuning=True), True
+        assert not fast.effective(cfg).inductor_tuning
+    finally:
+        inductor.coordinate_descent_tuning = saved
+
+
 def test_compiled_blocks_step_aside_under_a_dispatch_mode():
     """FlopCounterMode around a compiled block would make dynamo skip its code for good."""
     from torch.utils.flop_counter import FlopCounterMode
