@@ -25,6 +25,9 @@ def targets(doc: dict, S: Shapes) -> dict:
         out[name] = {"value": value, "target": goal, "met": None if value is None else bool(ok(value))}
     fwd = ph.get(f"rollout_fwd_b{b}", {}).get("mfu")
     put("rollout_fwd_mfu", fwd, ">= 0.70", lambda v: v >= 0.70)
+    if fast.get("config", {}).get("overrides", {}).get("perf.rollout_fp8"):
+        # fp8 GEMMs run above the fp16 ceiling the share is taken of: not the target's measure
+        out["rollout_fwd_mfu"].update(met=None, note="perf.rollout_fp8: fp8 GEMMs against an fp16 ceiling")
     tr = ph.get(f"train_pair_mb{mb}", {})
     put("train_pair_mfu", tr.get("mfu"), ">= 0.65", lambda v: v >= 0.65)
     put("train_peak_gib_mb16", ph.get("train_pair_mb16", {}).get("peak_gib"), "<= 40", lambda v: v <= 40)
@@ -107,7 +110,8 @@ def markdown(doc: dict) -> str:
         for k, t in doc["targets"].items():
             v = t["value"]
             vs = "—" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
-            lines.append(f"| {k} | {vs} | {t['target']} | {'—' if t['met'] is None else ('yes' if t['met'] else 'NO')} |")
+            met = "—" if t["met"] is None else ("yes" if t["met"] else "NO")
+            lines.append(f"| {k} | {vs} | {t['target']} | {met}{' (' + t['note'] + ')' if t.get('note') else ''} |")
     if doc.get("errors"):
         lines += ["", "Errors: " + "; ".join(doc["errors"])]
     if doc.get("skipped"):

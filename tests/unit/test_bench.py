@@ -95,3 +95,15 @@ def test_launch_queue_waits_and_named_ranges_are_not_kernels():
                                            ev("hpcnft/train/step", 900.0, annotation=True),
                                            ev("aten::mm", 12.0, DeviceType.CPU)])
     assert _device_kernels(prof) == [("nvjet_sm90_gemm", 1e-5)]
+
+
+def test_an_fp8_rollout_does_not_meet_the_fp16_share_target():
+    from hpcnft.bench.report import targets
+    from hpcnft.bench.shapes import sd35m_shapes
+
+    def doc(over):
+        return {"stacks": {"hpcnft_fast": {"config": {"overrides": over}, "rollout_batch": 32, "micro_batch": 32,
+                                           "phases": {"rollout_fwd_b32": {"mfu": 0.79}}}}}
+    assert targets(doc({}), sd35m_shapes())["rollout_fwd_mfu"]["met"] is True
+    fp8 = targets(doc({"perf.rollout_fp8": True}), sd35m_shapes())["rollout_fwd_mfu"]
+    assert fp8["met"] is None and fp8["value"] == 0.79 and "fp8" in fp8["note"]
