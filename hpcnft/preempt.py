@@ -33,11 +33,13 @@ class PreemptFlag:
             signal.signal(signum, signal.SIG_IGN)
 
     def _handler(self, signum, _frame) -> None:
-        if not self.requested:
-            self.signal_name = signal.Signals(signum).name
-            self.log.warning("received %s: will checkpoint and stop at the end of this iteration",
-                             self.signal_name)
+        if self.requested:
+            return
+        # The flag first: the log line below can fail (a handler runs between any two bytecodes,
+        # possibly inside a write to the same log file) and must not lose the request.
+        self.signal_name = signal.Signals(signum).name
         self.requested = True
+        self.log.warning("received %s: will checkpoint and stop at the end of this iteration", self.signal_name)
 
 
 def leave_requeue_to_slurm(received: str, preempt_signal: str) -> str | None:

@@ -584,3 +584,25 @@ def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
         assert str(e.value).startswith(checkpoint.partial_dir(run_dir, 2))
         assert checkpoint.problems(good) is None
         assert len(runfile.read_run(h5).metrics["train/nft_loss"]) == 2
+
+
+def test_a_preempt_signal_is_kept_when_its_log_line_fails():
+    import logging
+    import signal
+
+    from hpcnft.preempt import PreemptFlag
+
+    class Broken(logging.Handler):
+        def handle(self, record):  # a write that fails outright (not through handleError)
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter>")
+
+    log = logging.getLogger("hpcnft-test-broken-log")
+    log.handlers[:], log.propagate = [Broken()], False
+    previous = signal.getsignal(signal.SIGUSR2)
+    flag = PreemptFlag("SIGUSR2", False, log)
+    try:
+        with pytest.raises(RuntimeError, match="reentrant"):
+            signal.raise_signal(signal.SIGUSR2)
+        assert flag.requested and flag.signal_name == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
