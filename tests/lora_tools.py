@@ -26,3 +26,21 @@ def tiny_lora_dit(cfg, base_dtype: torch.dtype = torch.float32, b_scale: float =
             if not p.requires_grad:
                 p.data = p.data.to(base_dtype)
     return tr
+
+
+def tiny_policy(**perf):
+    """What the LoRA levers read of a Policy (cfg, transformer): the tiny recipe with `perf.*`
+    set, in eval mode."""
+    import types
+
+    from hpcnft.config import load_config
+
+    cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
+    return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
+
+
+@torch.no_grad()
+def move_adapters(transformer) -> None:
+    """What a training step does to the no-grad passes' inputs: the adapters change (B negated)."""
+    for layer in fast.lora_layers(transformer):
+        layer.lora_B["default"].weight.mul_(-1.0)

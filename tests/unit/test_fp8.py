@@ -1,7 +1,6 @@
 """perf.rollout_fp8 on the CPU (torch._scaled_mm runs there too): row-wise e4m3 quantization,
 the fp8 linear against F.linear, the tiny DiT's rollout forward in fp8 against its fp32 forward,
 and a context that leaves the model as it found it."""
-import types
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from hpcnft import fast, fp8, fused_qkv
 from hpcnft.config import load_config
 from hpcnft.sampler import velocity
 from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import tiny_lora_dit
+from lora_tools import move_adapters, tiny_lora_dit, tiny_policy
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,9 +43,7 @@ def test_scaled_linear_is_close_to_the_linear_and_keeps_its_dtype(autocast):
     assert 0 < _rel(y, ref) < 0.05
 
 
-def _policy(**perf):
-    cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
-    return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
+_policy = tiny_policy
 
 
 def _velocity(policy):
@@ -89,9 +86,7 @@ def test_fp8_weights_follow_the_weights_at_entry():
     policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
     with fast.nograd_weights(policy), fp8.rollout_linears(policy.transformer):
         first = _velocity(policy)
-    with torch.no_grad():  # a training step moves the adapters
-        for layer in fast.lora_layers(policy.transformer):
-            layer.lora_B["default"].weight.mul_(-1.0)
+    move_adapters(policy.transformer)
     with fast.nograd_weights(policy):
         merged = _velocity(policy)
         with fp8.rollout_linears(policy.transformer):

@@ -2,7 +2,6 @@
 fused no-grad forward matches the three-GEMM forward, follows the weights it is entered with,
 and leaves nothing behind."""
 import contextlib
-import types
 
 import pytest
 import torch
@@ -11,12 +10,10 @@ from hpcnft import fast, fused_qkv
 from hpcnft.config import ConfigError, load_config
 from hpcnft.sampler import velocity
 from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import tiny_lora_dit
+from lora_tools import move_adapters, tiny_policy
 
 
-def _policy(**perf):
-    cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
-    return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
+_policy = tiny_policy
 
 
 def _inputs():
@@ -60,9 +57,7 @@ def test_fused_weights_follow_the_weights_at_entry():
     policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
     with fast.nograd_weights(policy):
         before = _velocity(policy)
-    with torch.no_grad():  # a training step moves the adapters
-        for layer in fast.lora_layers(policy.transformer):
-            layer.lora_B["default"].weight.mul_(-1.0)
+    move_adapters(policy.transformer)
     with fast.nograd_weights(policy):
         after = _velocity(policy)
     policy.cfg.perf.fuse_qkv = False
