@@ -3,15 +3,17 @@
 While `rollout_linears` is entered, every large linear of the DiT's transformer blocks (the
 attention projections, fused q/k/v included, and the feed-forwards) multiplies in fp8 through
 `torch._scaled_mm`: weights quantized once at entry with one scale per output channel,
-activations quantized per row (per token) at each call, products accumulated in fp32 and
-rescaled. The modulation linears (one row per sample), the embedders and the final projection
-stay in half precision. Under FSDP2 each rank quantizes the gathered weights at entry. Used for the rollout only: v_old, the trained forward and evaluation
-keep their precision, so the NFT loss and the eval rewards are those of the fp16 model.
+activations quantized per row (per token) at each call, products summed by the tensor cores'
+fast fp8 accumulation, rescaled and rounded to bf16 (what row-wise scaled GEMMs produce), then
+cast to the compute dtype. The modulation linears (one row per sample), the embedders and the
+final projection stay in half precision. Under FSDP2 each rank quantizes the gathered weights at
+entry. For the rollout only: v_old, the trained forward and evaluation keep their precision, so
+the NFT loss and the eval rewards are those of the fp16 model.
 
-Rounding: e4m3 keeps 3 mantissa bits, so a product carries about 2^-4 relative error per
-element before accumulation; with per-row scales the error of a whole GEMM output is much
-smaller (errors of K products average). `hpcnft bench` reports what it costs in velocity and in
-PickScore at the real shapes (`rollout_fp8_cost`).
+Rounding: e4m3 keeps 3 mantissa bits, so each input carries up to 2^-4 relative error; summed
+over K products the errors largely average out, and the bf16 output adds 2^-9. `hpcnft bench`
+reports what it costs in velocity, latents and PickScore at the real shapes
+(`rollout_fp8_cost`).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def scaled_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.T
     out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     rows = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(rows)
-    # Row-wise scaled fp8 GEMMs produce bf16; the cast to the compute dtype fuses into the consumer.
+    # Row-wise scaled fp8 GEMMs produce bf16; compiled, the cast fuses into the consumer.
     y = torch._scaled_mm(xq, weight_q.t(), scale_a=xs, scale_b=weight_scale.t(),
                          out_dtype=torch.bfloat16, use_fast_accum=True).to(out_dtype)
     if bias is not None:
