@@ -21,6 +21,9 @@ import contextlib
 
 import torch
 
+from hpcnft import fused_qkv
+from hpcnft.fast import full_tensor
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # Per-sample linears (AdaLayerNorm modulation) have one row per sample: nothing to gain in fp8.
@@ -66,20 +69,12 @@ class Fp8Linear(torch.nn.Linear):
         return scaled_linear(x, getattr(self, WEIGHT), getattr(self, SCALE), self.bias)
 
 
-def _store(module, name: str, value: torch.Tensor) -> None:
-    """Copy into the existing buffer when it fits (no reallocation between rollouts)."""
-    current = getattr(module, name, None)
-    if current is not None and current.shape == value.shape and current.dtype == value.dtype:
-        current.copy_(value)
-    else:
-        module.register_buffer(name, value, persistent=False)
-
-
 @torch.no_grad()
 def _quantize_into(module, weight: torch.Tensor, prefix: str = "") -> None:
+    """The fp8 weight and its scales into the module's buffers (in place once they exist)."""
     q, scale = quantize_rows(weight)
-    _store(module, prefix + WEIGHT, q)
-    _store(module, prefix + SCALE, scale)
+    fused_qkv._store(module, prefix + WEIGHT, q)
+    fused_qkv._store(module, prefix + SCALE, scale)
 
 
 def block_linears(transformer, skip=()) -> list[torch.nn.Linear]:
@@ -91,16 +86,10 @@ def block_linears(transformer, skip=()) -> list[torch.nn.Linear]:
             and supported(m.weight)]
 
 
-def _base(linear):
-    return linear.get_base_layer() if hasattr(linear, "get_base_layer") else linear
-
-
 class Fp8FusedQKVProcessor:
     """fused_qkv's processor with the fused q/k/v GEMMs in fp8 (one object for dynamo)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
-        from hpcnft import fused_qkv
-
         def project(x, context: bool):
             prefix = "added_" if context else ""
             bias = getattr(attn, fused_qkv.ADDED_BIAS if context else fused_qkv.BIAS)
@@ -115,13 +104,10 @@ _FUSED = Fp8FusedQKVProcessor()
 def rollout_linears(transformer):
     """While inside, the blocks' linears (and fused q/k/v) run in fp8 on weights quantized at
     entry; on exit the classes and processors are put back (the weights are never changed)."""
-    from hpcnft import fused_qkv
-    from hpcnft.fast import full_tensor
-
     fused = [m for m in transformer.modules()
              if isinstance(getattr(m, "processor", None), fused_qkv.FusedQKVProcessor)
              and supported(getattr(m, fused_qkv.WEIGHT))]
-    projections = [_base(getattr(a, n)) for a in fused for n in ("to_q", "to_k", "to_v", "add_q_proj",
+    projections = [fused_qkv._base(getattr(a, n)) for a in fused for n in ("to_q", "to_k", "to_v", "add_q_proj",
                                                                     "add_k_proj", "add_v_proj")
                    if getattr(a, n, None) is not None]  # unused while fused
     linears = block_linears(transformer, skip=projections)

@@ -166,14 +166,12 @@ class Policy:
     def rollout_weights(self):
         """pi_old for the rollout: old_weights, with the blocks' GEMMs in fp8 under perf.rollout_fp8
         (v_old, training and evaluation keep their precision)."""
-        with self.old_weights():
-            if fast.effective(self.cfg).rollout_fp8:
-                from hpcnft import fp8
+        from hpcnft import fp8
 
-                with fp8.rollout_linears(self.transformer):
-                    yield
-            else:
-                yield
+        fp8_gemms = fp8.rollout_linears(self.transformer) if fast.effective(self.cfg).rollout_fp8 \
+            else contextlib.nullcontext()
+        with self.old_weights(), fp8_gemms:
+            yield
 
     @contextlib.contextmanager
     def base_weights(self):

@@ -43,9 +43,6 @@ def test_scaled_linear_is_close_to_the_linear_and_keeps_its_dtype(autocast):
     assert 0 < _rel(y, ref) < 0.05
 
 
-_policy = tiny_policy
-
-
 def _velocity(policy):
     c = TINY_TRANSFORMER
     g = torch.Generator().manual_seed(2)
@@ -58,7 +55,7 @@ def _velocity(policy):
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=fuse)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=fuse)
     tr = policy.transformer
     before = _velocity(policy)
     state = {k: v.clone() for k, v in tr.state_dict().items()}
@@ -83,7 +80,7 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
 
 
 def test_fp8_weights_follow_the_weights_at_entry():
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     with fast.nograd_weights(policy), fp8.rollout_linears(policy.transformer):
         first = _velocity(policy)
     move_adapters(policy.transformer)

@@ -13,9 +13,6 @@ from hpcnft.tiny import TINY_TRANSFORMER
 from lora_tools import move_adapters, tiny_policy
 
 
-_policy = tiny_policy
-
-
 def _inputs():
     c = TINY_TRANSFORMER
     g = torch.Generator().manual_seed(2)
@@ -29,13 +26,13 @@ def _velocity(policy):
 
 
 def test_every_attention_of_the_block_kinds_is_fused():
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     names = {n for n, m in policy.transformer.named_modules() if m in fused_qkv._joint_attentions(policy.transformer)}
     assert names == {"transformer_blocks.0.attn", "transformer_blocks.0.attn2", "transformer_blocks.1.attn"}
 
 
 def test_fused_forward_matches_merged_three_gemm_forward_and_restores():
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     tr = policy.transformer
     with_lora = _velocity(policy)
     procs = [m.processor for m in fused_qkv._joint_attentions(tr)]
@@ -54,7 +51,7 @@ def test_fused_forward_matches_merged_three_gemm_forward_and_restores():
 
 
 def test_fused_weights_follow_the_weights_at_entry():
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     with fast.nograd_weights(policy):
         before = _velocity(policy)
     move_adapters(policy.transformer)
@@ -91,7 +88,7 @@ def _loss_and_grads(policy):
 
 
 def test_fused_lora_trains_like_peft_layers():
-    peft_policy, fused_policy = _policy(), _policy(fused_lora=True)
+    peft_policy, fused_policy = tiny_policy(), tiny_policy(fused_lora=True)
     assert fused_qkv.install_fused_lora(fused_policy.transformer) == 3
     v_peft, g_peft = _loss_and_grads(peft_policy)
     v_fused, g_fused = _loss_and_grads(fused_policy)
@@ -103,7 +100,7 @@ def test_fused_lora_trains_like_peft_layers():
 
 
 def test_fused_lora_steps_aside_where_the_adapters_are_off():
-    peft_policy, fused_policy = _policy(merge_lora_nograd=True), _policy(merge_lora_nograd=True, fused_lora=True)
+    peft_policy, fused_policy = tiny_policy(merge_lora_nograd=True), tiny_policy(merge_lora_nograd=True, fused_lora=True)
     fused_qkv.install_fused_lora(fused_policy.transformer)
     for ctx in (lambda p: fast.nograd_weights(p), lambda p: _adapters_off(p.transformer)):
         with ctx(peft_policy):
@@ -135,7 +132,7 @@ def test_fused_lora_needs_lora():
 
 
 def test_refresh_copies_into_the_buffers_it_made():
-    policy = _policy(merge_lora_nograd=True, fuse_qkv=True)
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     attn = policy.transformer.transformer_blocks[0].attn
     with fast.nograd_weights(policy):
         first = getattr(attn, fused_qkv.WEIGHT)
