@@ -169,6 +169,7 @@ class PerfConfig:
     compile_vae: bool = False  # torch.compile of the VAE decoder (GPU)
     cudnn_benchmark: bool = False  # cuDNN picks convolution algorithms by timing (VAE)
     inductor_tuning: bool = False  # Inductor times block sizes of its Triton kernels (compile_blocks, compile_vae)
+    inductor_autotune: bool = False  # Inductor times a wider set of Triton configs, compiled in parallel
     rollout_fp8: bool = False  # the rollout's DiT blocks multiply in fp8 (e4m3, row-wise scales)
 
 

@@ -18,6 +18,7 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.compile_vae | torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only | fused kernels round differently |
 | perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
 | perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
+| perf.inductor_autotune | Inductor compiles a wider set of block-size configs for each pointwise and reduction kernel it generates (`max_autotune_pointwise`; in parallel worker processes) and times them at the first call | as compile (kernel choice) |
 | perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old, training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
@@ -64,7 +65,7 @@ FAST = {
 }
 CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend", "perf.compile_vae", "perf.cudnn_benchmark")
 DETERMINISM_OFF = {"compile_blocks": False, "compile_vae": False, "cudnn_benchmark": False,
-                   "attention_backend": "default", "inductor_tuning": False}
+                   "attention_backend": "default", "inductor_tuning": False, "inductor_autotune": False}
 
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -148,12 +149,15 @@ def compile_module(module) -> None:
 
 
 def inductor_options(perf) -> None:
-    """Process-wide Inductor settings for what is compiled next: perf.inductor_tuning has Inductor
-    search each generated Triton kernel's block sizes and warps by timing (coordinate descent)
-    instead of taking its heuristic pick; compiling takes longer."""
+    """Process-wide Inductor settings for what is compiled next. perf.inductor_tuning: Inductor
+    searches each generated Triton kernel's block sizes and warps by timing, one variant after
+    another (coordinate descent; slow to compile). perf.inductor_autotune: it compiles a wider
+    fixed set of configs per pointwise and reduction kernel, in parallel worker processes, and
+    times them at the first call. Either instead of its heuristic pick."""
     import torch._inductor.config as inductor
 
     inductor.coordinate_descent_tuning = bool(perf.inductor_tuning)
+    inductor.max_autotune_pointwise = bool(perf.inductor_autotune)
 
 
 def compile_blocks(transformer) -> None:

@@ -2,6 +2,7 @@
 totals of the package's named ranges (hpcnft.perf.span)."""
 from __future__ import annotations
 
+import bisect
 import os
 import time
 
@@ -19,6 +20,9 @@ TOP_OPS = 15
 # the time a launch waited for room in a full launch queue (the CPU is ahead: GPU-bound); named
 # ranges (record_function, hpcnft.perf.span) are also drawn on the GPU timeline, as user annotations.
 NOT_KERNELS = ("Command Buffer Full",)
+# The CUDA runtime and driver calls among the host events: in an idle gap they are the launch that
+# ends it, not what kept the host busy.
+RUNTIME_CALLS = ("cuda", "cuLaunch", "cuMem", "cuStream", "cuEvent")
 
 
 def kernel_category(name: str) -> str:
@@ -50,6 +54,67 @@ def _device_kernels(prof) -> list[tuple[str, float]]:
     return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
             if e.device_type == DeviceType.CUDA and e.name not in NOT_KERNELS
             and not getattr(e, "is_user_annotation", False)]
+
+
+def idle_gaps(kernels, host, min_gap_s: float = 2e-4, top: int = 12, prefix: str = "hpcnft/") -> dict:
+    """Where the device had no kernel to run. `kernels`: (start_s, end_s, name) of the device's
+    kernels (streams merged); `host`: (start_s, end_s, name) of the host's ranges on the same
+    clock, the package's named ranges (`prefix`) and the ops. Each gap of at least `min_gap_s`
+    is charged to the innermost named range and the innermost op open at its middle: what the
+    host was doing while the device waited (host work after a sync, a launch-bound loop)."""
+    busy = sorted(kernels)
+    spans = _Ranges([h for h in host if h[2].startswith(prefix)])
+    ops = _Ranges([h for h in host if not h[2].startswith(prefix)])
+    gaps, every, end, last = [], 0.0, None, None
+    for s, e, n in busy:
+        if end is not None and s > end:
+            every += s - end
+            if s - end >= min_gap_s:
+                mid = (end + s) / 2
+                gaps.append({"s": s - end, "at_s": end - busy[0][0], "span": spans.innermost(mid).removeprefix(prefix),
+                             "host_op": ops.innermost(mid), "after": last, "before": n})
+        if end is None or e > end:
+            end, last = e, n
+    by_span: dict = {}
+    for g in gaps:
+        rec = by_span.setdefault(g["span"], {"gaps": 0, "s": 0.0})
+        rec["gaps"] += 1
+        rec["s"] += g["s"]
+    return {"every_gap_s": every, "min_gap_s": min_gap_s, "total_s": sum(g["s"] for g in gaps), "gaps": len(gaps),
+            "by_span": dict(sorted(by_span.items(), key=lambda kv: -kv[1]["s"])),
+            "top": sorted(gaps, key=lambda g: -g["s"])[:top]}
+
+
+class _Ranges:
+    """Host ranges sorted by start, for 'which range was open at t' (the innermost: the one open
+    at t that started last; a bounded scan back, so a profile of a whole iteration stays quick)."""
+
+    def __init__(self, ranges, scan: int = 50000):
+        self.ranges = sorted(ranges)
+        self.starts = [r[0] for r in self.ranges]
+        self.scan = scan
+
+    def innermost(self, t: float) -> str:
+        i = bisect.bisect_right(self.starts, t)
+        for r in reversed(self.ranges[max(0, i - self.scan):i]):
+            if r[1] >= t:
+                return r[2]
+        return "-"
+
+
+def _timeline(prof) -> tuple[list, list]:
+    """(kernels, host ranges) of a profile as (start_s, end_s, name), one clock."""
+    from torch.autograd import DeviceType
+
+    kernels, host = [], []
+    for e in prof.events():
+        rng = (e.time_range.start / 1e6, e.time_range.end / 1e6, e.name)
+        if e.device_type == DeviceType.CUDA:
+            if e.name not in NOT_KERNELS and not getattr(e, "is_user_annotation", False):
+                kernels.append(rng)
+        elif e.device_type == DeviceType.CPU and not e.name.startswith(RUNTIME_CALLS):
+            host.append(rng)
+    return kernels, host
 
 
 def _top_cpu_ops(prof, n: int = TOP_OPS) -> tuple[float, list[dict]]:
@@ -113,7 +178,8 @@ def profile_call(fn, ctx, dev, path: str) -> dict:
         # busy time = the sum of kernel durations: kernels that overlap (several streams) are
         # counted twice, so the idle share is approximate (and clamped at 0)
         out.update(device_time_s=cat["total_s"], kernels=len(kernels), categories=cat["categories"],
-                   device_idle_share=max(0.0, 1.0 - cat["total_s"] / wall) if wall > 0 else None)
+                   device_idle_share=max(0.0, 1.0 - cat["total_s"] / wall) if wall > 0 else None,
+                   idle=idle_gaps(*_timeline(prof)))
     else:
         total, top = _top_cpu_ops(prof)
         out.update(cpu_self_time_s=total, top_ops=top)

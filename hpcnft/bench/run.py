@@ -137,7 +137,10 @@ class Bench:
         return out
 
     def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True) -> list[tuple]:
-        S = self.S
+        S, only = self.S, set(self.args.phases)
+        rollout_batches = rollout_batches if "rollout" in only else []
+        micro_batches = micro_batches if "train" in only else []
+        vae, pick = vae and "vae" in only, pick and "pickscore" in only
         out = [(f"rollout_fwd_b{b}", (lambda b=b: stack.rollout_forward(b)), "forward sample", b)
                for b in rollout_batches]
         if vae:
@@ -149,6 +152,12 @@ class Bench:
             out.append((f"train_pair_mb{mb}", (lambda mb=mb: stack.train_pairs(mb)), "pair", TRAIN_K * mb,
                         max(1, S.warm - 1), max(2, S.reps - 2)))
         return out
+
+    def iteration_for(self, stack: str) -> bool:
+        """Whether a stack (eager, fast, default) runs whole iterations: --iteration, and --phases."""
+        if "iteration" not in self.args.phases or self.args.iteration == "none":
+            return False
+        return self.args.iteration == "all" or stack != "default"
 
     def free(self, stack) -> None:
         torch = _torch()
@@ -180,14 +189,16 @@ class Bench:
         fast_mb = int(fast_over.get("train.micro_batch", max(S.micro_batches)))
         if args.baseline:
             eager = EagerStack(S, dev)
-            self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), args.iteration != "none",
+            self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), self.iteration_for("eager"),
                            {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
             self.free(eager)
         fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.fast.FAST", S, dev, fast_over)
         # the largest baseline shapes too, so fast and eager meet at one shape (and mb16's memory is read)
-        fb = sorted({fast_b, max(S.rollout_batches)} | (set(S.rollout_batches) if args.all_shapes else set()))
-        fm = sorted({fast_mb, max(S.micro_batches)} | (set(S.micro_batches) if args.all_shapes else set()))
-        rec = self.run_stack(fast, self.phases_for(fast, fb, fm), args.iteration != "none",
+        fb = {fast_b} if args.own_shapes else {fast_b, max(S.rollout_batches)}
+        fm = {fast_mb} if args.own_shapes else {fast_mb, max(S.micro_batches)}
+        fb = sorted(fb | (set(S.rollout_batches) if args.all_shapes else set()))
+        fm = sorted(fm | (set(S.micro_batches) if args.all_shapes else set()))
+        rec = self.run_stack(fast, self.phases_for(fast, fb, fm), self.iteration_for("fast"),
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
         if fast.cfg.perf.pickscore_preprocess == "device":  # four scorer calls: not worth a budget check
             rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
@@ -203,7 +214,7 @@ class Bench:
         if not args.no_default:
             default = HpcnftStack("hpcnft_default", "hpcnft path, every perf lever off", S, dev, {})
             self.run_stack(default, self.phases_for(default, S.rollout_batches, S.micro_batches),
-                           args.iteration == "all",
+                           self.iteration_for("default"),
                            {"rollout_batch": max(S.rollout_batches), "micro_batch": max(S.micro_batches)})
             self.free(default)
         for lever in expand_levers(args.levers, dev, S):
@@ -216,14 +227,15 @@ class Bench:
 
     def profile(self, stack, rec: dict, b: int, mb: int) -> None:
         """--profile: torch.profiler over one rollout forward at batch b, one train-pairs call at
-        micro-batch mb and, where the stack ran one, one whole iteration (where its time goes, by
-        the package's named ranges), each after one more untimed call: a table each in the folder,
-        a summary in rec."""
+        micro-batch mb (each where --phases has it) and, where the stack ran one, one whole
+        iteration (where its time goes, by the package's named ranges, and on a GPU where the
+        device idled), each after one more untimed call: a table each in the folder, a summary in rec."""
         from hpcnft.bench.profiling import profile_call
 
         out = rec["profile"] = {}
         calls = [("rollout_forward", f"rollout_fwd_b{b}", lambda: stack.rollout_forward(b)),
                  ("train_pairs", f"train_pair_mb{mb}", lambda: stack.train_pairs(mb))]
+        calls = [c for c, part in zip(calls, ("rollout", "train")) if part in self.args.phases]
         if "iteration" in rec["phases"]:
             calls.append(("iteration", "iteration", stack.iteration))
         for name, phase, make in calls:
@@ -283,6 +295,18 @@ class Bench:
         self.save()
 
 
+PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
+
+
+def _phase_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PHASES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown phase {', '.join(unknown) or repr(text)} "
+                                         f"(choose from {', '.join(PHASES)})")
+    return names
+
+
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", choices=sorted(SHAPES), default="sd35m",
                    help="sd35m: the real SD3.5-M/VAE/CLIP-H shapes (needs CUDA); tiny: the tiny models (CPU is fine)")
@@ -303,6 +327,12 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
     p.add_argument("--all-shapes", action="store_true",
                    help="measure 'hpcnft fast' at every rollout batch and micro-batch too (more compiles)")
+    p.add_argument("--phases", type=_phase_list, default=list(PHASES), metavar="NAME[,NAME]",
+                   help=f"measure only these phases of every stack (default: all of {','.join(PHASES)}); "
+                        "e.g. 'iteration' for whole iterations alone")
+    p.add_argument("--own-shapes", action="store_true",
+                   help="measure 'hpcnft fast' at its own rollout batch and micro-batch only, not also at the "
+                        "eager stack's (fewer compiles)")
     p.add_argument("--no-default", action="store_true", help="skip the 'hpcnft default' stack")
     p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
     p.add_argument("--profile", metavar="DIR",

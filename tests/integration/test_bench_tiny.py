@@ -86,3 +86,26 @@ def test_bench_bad_lever_is_usage_error():
     r = hpcnft("bench", "--shapes", "tiny", "--levers", "compile_blocks", env={"CUDA_VISIBLE_DEVICES": ""},
                timeout=120)
     assert r.returncode == 2 and "KEY=VALUE" in r.stderr, r.stderr
+
+
+def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--no-default", "--phases", "vae,iteration", "--own-shapes",
+               "--profile", prof, "--json", out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and not doc["skipped"], doc
+    assert {k: set(v["phases"]) for k, v in doc["stacks"].items()} == {
+        "eager": {"vae_decode", "iteration"}, "hpcnft_fast": {"vae_decode", "iteration"}}
+    # only the iteration is profiled: the rollout forward and the train pairs were not asked for
+    assert set(doc["stacks"]["hpcnft_fast"]["profile"]) == {"iteration"}
+    assert "speedup_vs_eager" in doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]
+
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train", "--own-shapes", "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    phases = json.loads(out.read_text())["stacks"]["hpcnft_fast"]["phases"]
+    assert set(phases) == {"train_pair_mb8"}  # FAST's micro-batch at the tiny shapes, not also the eager 4
+
+    r = hpcnft("bench", "--shapes", "tiny", "--phases", "rollout,decode", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -107,3 +107,32 @@ def test_an_fp8_rollout_does_not_meet_the_fp16_share_target():
     assert targets(doc({}), sd35m_shapes())["rollout_fwd_mfu"]["met"] is True
     fp8 = targets(doc({"perf.rollout_fp8": True}), sd35m_shapes())["rollout_fwd_mfu"]
     assert fp8["met"] is None and fp8["value"] == 0.79 and "fp8" in fp8["note"]
+
+
+def test_idle_gaps_are_charged_to_what_the_host_was_doing():
+    from hpcnft.bench.profiling import idle_gaps
+
+    kernels = [(0.000, 0.010, "gemm_a"), (0.005, 0.012, "other_stream"),  # overlapping streams: busy to 12 ms
+               (0.0121, 0.020, "gemm_b"),  # a 0.1 ms gap: counted in every_gap_s only
+               (0.050, 0.060, "triton_c"),  # a 30 ms gap while the host ran the optimizer after a sync
+               (0.061, 0.070, "gemm_d")]  # 1 ms, inside the micro-batch range, no op open
+    host = [(0.0, 0.1, "hpcnft/train/step"), (0.021, 0.049, "hpcnft/train/optimizer"),
+            (0.022, 0.048, "Optimizer.step#AdamW.step"), (0.030, 0.031, "aten::add_"),
+            (0.055, 0.075, "hpcnft/train/micro_batch")]
+    out = idle_gaps(kernels, host, min_gap_s=5e-4)
+    assert out["gaps"] == 2
+    assert out["every_gap_s"] == pytest.approx(0.0001 + 0.030 + 0.001)
+    assert out["total_s"] == pytest.approx(0.031)
+    first, second = out["top"]
+    assert first["s"] == pytest.approx(0.030) and first["at_s"] == pytest.approx(0.020)
+    assert (first["span"], first["host_op"], first["after"], first["before"]) == (
+        "train/optimizer", "Optimizer.step#AdamW.step", "gemm_b", "triton_c")
+    assert (second["span"], second["host_op"]) == ("train/micro_batch", "-")
+    assert list(out["by_span"]) == ["train/optimizer", "train/micro_batch"]
+    assert out["by_span"]["train/optimizer"] == {"gaps": 1, "s": pytest.approx(0.030)}
+
+
+def test_no_kernels_no_gaps():
+    from hpcnft.bench.profiling import idle_gaps
+
+    assert idle_gaps([], [(0.0, 1.0, "hpcnft/x")])["gaps"] == 0

@@ -89,22 +89,26 @@ def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
     assert fast.effective(cfg).compile_blocks
 
 
-def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode():
+@pytest.mark.parametrize("key,option", [("inductor_tuning", "coordinate_descent_tuning"),
+                                        ("inductor_autotune", "max_autotune_pointwise")])
+def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode(key, option):
     import torch._inductor.config as inductor
     from hpcnft.config import Config
 
     cfg = Config()
     cfg.determinism.enabled = False
-    saved = inductor.coordinate_descent_tuning
+    saved = {o: getattr(inductor, o) for o in ("coordinate_descent_tuning", "max_autotune_pointwise")}
     try:
         for on in (True, False):
-            cfg.perf = dataclasses.replace(cfg.perf, inductor_tuning=on)
+            cfg.perf = dataclasses.replace(cfg.perf, **{key: on})
             fast.inductor_options(fast.effective(cfg))
-            assert inductor.coordinate_descent_tuning is on
-        cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, inductor_tuning=True), True
-        assert not fast.effective(cfg).inductor_tuning
+            assert getattr(inductor, option) is on
+            assert not any(getattr(inductor, o) for o in saved if o != option)  # the other lever stays off
+        cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, **{key: True}), True
+        assert not getattr(fast.effective(cfg), key)
     finally:
-        inductor.coordinate_descent_tuning = saved
+        for o, v in saved.items():
+            setattr(inductor, o, v)
 
 
 def test_compiled_blocks_step_aside_under_a_dispatch_mode():
