@@ -89,16 +89,16 @@ class _Ranges:
     """Host ranges sorted by start, for 'which range was open at t' (the innermost: the one open
     at t that started last; a bounded scan back, so a profile of a whole iteration stays quick)."""
 
-    def __init__(self, ranges, scan: int = 50000):
+    def __init__(self, ranges, scan: int = 20000):
         self.ranges = sorted(ranges)
         self.starts = [r[0] for r in self.ranges]
         self.scan = scan
 
     def innermost(self, t: float) -> str:
         i = bisect.bisect_right(self.starts, t)
-        for r in reversed(self.ranges[max(0, i - self.scan):i]):
-            if r[1] >= t:
-                return r[2]
+        for j in range(i - 1, max(-1, i - 1 - self.scan), -1):
+            if self.ranges[j][1] >= t:
+                return self.ranges[j][2]
         return "-"
 
 
