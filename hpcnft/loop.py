@@ -18,8 +18,8 @@ from hpcnft.distributed import Topology
 from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu, span
 from hpcnft.prompts import PromptStream, read_prompt_file
 from hpcnft.reward_service import EVAL, ROLLOUT
-from hpcnft.sampler import (PromptEncoder, decode_to_uint8, euler_sample, image_grid, initial_noise,
-                            sigma_grid)
+from hpcnft.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, image_grid,
+                            initial_noise, sigma_grid)
 
 log = logging.getLogger("hpcnft")
 
@@ -84,6 +84,7 @@ class TrainRank:
         self.eval_sigmas = sigma_grid(pipe.scheduler, cfg.eval.num_steps)
         vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         self._server_totals = (0.0, 0.0)
+        self.noise_ahead = NoiseAhead()
         self.ceiling = matmul_ceiling(topo.device, policy.compute_dtype)
         self.latent_shape = (pipe.transformer.config.in_channels, cfg.rollout.height // vae_factor,
                              cfg.rollout.width // vae_factor)
@@ -93,7 +94,8 @@ class TrainRank:
     # -- rollout ---------------------------------------------------------------------------
     def _generate(self, prompts: list[str], sigmas, noise) -> tuple[torch.Tensor, object]:
         cond = self.encoder(prompts)
-        x0 = euler_sample(self.policy.transformer, noise.to(self.topo.device), sigmas, cond,
+        noise = noise.to(self.topo.device, non_blocking=noise.is_pinned())
+        x0 = euler_sample(self.policy.transformer, noise, sigmas, cond,
                           self.cfg.rollout.guidance_scale, self.policy.compute_dtype, self.policy.autocast)
         return x0, cond
 
@@ -101,12 +103,14 @@ class TrainRank:
         cfg, g = self.cfg, self.cfg.rollout.samples_per_prompt
         t0 = time.perf_counter()
         mine = list(owned_range(cfg.samples_per_step, self.topo))
+        parts = chunks(mine, cfg.rollout.batch_size)
+        noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
+                                       pin=self.topo.device.type == "cuda")
         x0s, pes, pools, imgs, pending = [], [], [], [], []
         with self.policy.rollout_weights():  # perf.rollout_fp8 applies here only
-            for chunk in chunks(mine, cfg.rollout.batch_size):
+            for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
-                    noise = initial_noise(self.latent_shape, cfg.rollout.seed, step, chunk, "rollout_noise")
-                    x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise)
+                    x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise.result())
                 with span("rollout/decode"):
                     images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
                 with span("rollout/reward_submit"):

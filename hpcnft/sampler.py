@@ -27,6 +27,28 @@ def initial_noise(shape: tuple[int, ...], seed: int, step: int, indices: list[in
     return torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in gens])
 
 
+class NoiseAhead:
+    """Initial noise for each of a list of chunks (futures, in order), drawn on the host by one
+    worker thread while the caller goes on launching GPU work; pinned (`pin`) so that the copy to
+    the GPU does not wait for the GPU to drain. Drawn between the rollout's chunks instead, it left
+    the GPU idle ~25 ms per chunk at the real shapes. Same values as `initial_noise`."""
+
+    def __init__(self):
+        self._pool = None
+
+    def draw(self, shape: tuple[int, ...], seed: int, step: int, parts: list[list[int]], purpose: str,
+             pin: bool = False) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcnft-noise-ahead")
+
+        def one(indices):
+            noise = initial_noise(shape, seed, step, indices, purpose)
+            return noise.pin_memory() if pin else noise
+        return [self._pool.submit(one, indices) for indices in parts]
+
+
 @dataclass
 class Conditioning:
     """SD3's positive conditioning for a batch (what the trainer reuses) and, with CFG, the negative."""

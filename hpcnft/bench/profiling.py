@@ -59,27 +59,29 @@ def _device_kernels(prof) -> list[tuple[str, float]]:
 def idle_gaps(kernels, host, min_gap_s: float = 2e-4, top: int = 12, prefix: str = "hpcnft/") -> dict:
     """Where the device had no kernel to run. `kernels`: (start_s, end_s, name) of the device's
     kernels (streams merged); `host`: (start_s, end_s, name) of the host's ranges on the same
-    clock, the package's named ranges (`prefix`) and the ops. Each gap of at least `min_gap_s`
-    is charged to the innermost named range and the innermost op open at its middle: what the
+    clock, the package's named ranges (`prefix`) and the ops. Every gap is charged to the
+    innermost named range open at its middle (`by_span`: all gaps, and those of at least
+    `min_gap_s`); each of those long ones also to the innermost op open then, in `top`: what the
     host was doing while the device waited (host work after a sync, a launch-bound loop)."""
     busy = sorted(kernels)
     spans = _Ranges([h for h in host if h[2].startswith(prefix)])
     ops = _Ranges([h for h in host if not h[2].startswith(prefix)])
-    gaps, every, end, last = [], 0.0, None, None
+    gaps, by_span, every, end, last = [], {}, 0.0, None, None
     for s, e, n in busy:
         if end is not None and s > end:
             every += s - end
+            mid = (end + s) / 2
+            span = spans.innermost(mid).removeprefix(prefix)
+            rec = by_span.setdefault(span, {"gaps": 0, "s": 0.0, "long_gaps": 0, "long_s": 0.0})
+            rec["gaps"] += 1
+            rec["s"] += s - end
             if s - end >= min_gap_s:
-                mid = (end + s) / 2
-                gaps.append({"s": s - end, "at_s": end - busy[0][0], "span": spans.innermost(mid).removeprefix(prefix),
-                             "host_op": ops.innermost(mid), "after": last, "before": n})
+                rec["long_gaps"] += 1
+                rec["long_s"] += s - end
+                gaps.append({"s": s - end, "at_s": end - busy[0][0], "span": span, "host_op": ops.innermost(mid),
+                             "after": last, "before": n})
         if end is None or e > end:
             end, last = e, n
-    by_span: dict = {}
-    for g in gaps:
-        rec = by_span.setdefault(g["span"], {"gaps": 0, "s": 0.0})
-        rec["gaps"] += 1
-        rec["s"] += g["s"]
     return {"every_gap_s": every, "min_gap_s": min_gap_s, "total_s": sum(g["s"] for g in gaps), "gaps": len(gaps),
             "by_span": dict(sorted(by_span.items(), key=lambda kv: -kv[1]["s"])),
             "top": sorted(gaps, key=lambda g: -g["s"])[:top]}
@@ -100,6 +102,18 @@ class _Ranges:
             if self.ranges[j][1] >= t:
                 return self.ranges[j][2]
         return "-"
+
+
+def top_kernels(kernels, n: int = 30) -> list[dict]:
+    """The `n` kernel names with the most device time: (name, seconds) pairs summed by name."""
+    sums: dict = {}
+    for name, s in kernels:
+        rec = sums.setdefault(name, [0, 0.0])
+        rec[0] += 1
+        rec[1] += s
+    total = sum(v[1] for v in sums.values())
+    top = sorted(sums.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": k, "calls": c, "s": s, "share": s / total if total > 0 else 0.0} for k, (c, s) in top]
 
 
 def _timeline(prof) -> tuple[list, list]:
@@ -179,7 +193,7 @@ def profile_call(fn, ctx, dev, path: str) -> dict:
         # counted twice, so the idle share is approximate (and clamped at 0)
         out.update(device_time_s=cat["total_s"], kernels=len(kernels), categories=cat["categories"],
                    device_idle_share=max(0.0, 1.0 - cat["total_s"] / wall) if wall > 0 else None,
-                   idle=idle_gaps(*_timeline(prof)))
+                   top_kernels=top_kernels(kernels), idle=idle_gaps(*_timeline(prof)))
     else:
         total, top = _top_cpu_ops(prof)
         out.update(cpu_self_time_s=total, top_ops=top)

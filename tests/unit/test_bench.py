@@ -128,8 +128,19 @@ def test_idle_gaps_are_charged_to_what_the_host_was_doing():
     assert (first["span"], first["host_op"], first["after"], first["before"]) == (
         "train/optimizer", "Optimizer.step#AdamW.step", "gemm_b", "triton_c")
     assert (second["span"], second["host_op"]) == ("train/micro_batch", "-")
-    assert list(out["by_span"]) == ["train/optimizer", "train/micro_batch"]
-    assert out["by_span"]["train/optimizer"] == {"gaps": 1, "s": pytest.approx(0.030)}
+    # every gap by range: the 0.1 ms one, too short for `top`, is the step's own
+    assert list(out["by_span"]) == ["train/optimizer", "train/micro_batch", "train/step"]
+    assert out["by_span"]["train/optimizer"] == {"gaps": 1, "s": pytest.approx(0.030), "long_gaps": 1,
+                                                 "long_s": pytest.approx(0.030)}
+    assert out["by_span"]["train/step"] == {"gaps": 1, "s": pytest.approx(0.0001), "long_gaps": 0, "long_s": 0.0}
+
+
+def test_top_kernels_sum_device_time_by_name():
+    from hpcnft.bench.profiling import top_kernels
+
+    out = top_kernels([("gemm", 2.0), ("triton_a", 0.5), ("gemm", 1.0), ("triton_b", 0.5)], n=2)
+    assert out == [{"name": "gemm", "calls": 2, "s": 3.0, "share": 0.75},
+                   {"name": "triton_a", "calls": 1, "s": 0.5, "share": 0.125}]
 
 
 def test_no_kernels_no_gaps():
