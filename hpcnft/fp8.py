@@ -22,7 +22,7 @@ import contextlib
 import torch
 
 from hpcnft import fused_qkv
-from hpcnft.fast import full_tensor
+from hpcnft.fast import full_tensor, module_list
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -104,13 +104,15 @@ _FUSED = Fp8FusedQKVProcessor()
 def rollout_linears(transformer):
     """While inside, the blocks' linears (and fused q/k/v) run in fp8 on weights quantized at
     entry; on exit the classes and processors are put back (the weights are never changed)."""
-    fused = [m for m in transformer.modules()
+    fused = [m for m in fused_qkv._attentions(transformer)
              if isinstance(getattr(m, "processor", None), fused_qkv.FusedQKVProcessor)
              and supported(getattr(m, fused_qkv.WEIGHT))]
     projections = [fused_qkv._base(getattr(a, n)) for a in fused for n in ("to_q", "to_k", "to_v", "add_q_proj",
                                                                     "add_k_proj", "add_v_proj")
                    if getattr(a, n, None) is not None]  # unused while fused
-    linears = block_linears(transformer, skip=projections)
+    # the same linears at every entry as long as the same attentions are fused (found once per set)
+    linears = module_list(transformer, ("fp8_linears", tuple(id(a) for a in fused)),
+                          lambda t: block_linears(t, skip=projections))
     device = next(transformer.parameters()).device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)

@@ -60,7 +60,14 @@ def _joint_attentions(transformer):
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
     kinds = (JointAttnProcessor2_0, FusedLoRAProcessor)
-    return [m for m in transformer.modules() if hasattr(m, "to_q") and isinstance(getattr(m, "processor", None), kinds)]
+    return [m for m in _attentions(transformer) if isinstance(getattr(m, "processor", None), kinds)]
+
+
+def _attentions(transformer):
+    """Every attention module (one with to_q) of the model, found once (fast.module_list)."""
+    from hpcnft.fast import module_list
+
+    return module_list(transformer, "attentions", lambda t: [m for m in t.modules() if hasattr(m, "to_q")])
 
 
 def _split_heads(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:

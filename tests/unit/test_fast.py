@@ -62,12 +62,28 @@ def test_merged_lora_matches_and_restores_the_base_bitwise(stacks):
         unmerged = velocity(policy.transformer, x, sig, pe, pooled, torch.float32)
     policy.cfg.perf.merge_lora_nograd = True
     with torch.no_grad(), policy.old_weights():
-        assert not any(p.requires_grad for p in policy.trainable)  # adapters off inside
+        # adapters off inside, by their flag; the trainable set is left as it is
+        assert all(layer.disable_adapters for layer in fast.lora_layers(policy.transformer))
+        assert all(p.requires_grad for p in policy.trainable)
         merged = velocity(policy.transformer, x, sig, pe, pooled, torch.float32)
+    assert not any(layer.disable_adapters for layer in fast.lora_layers(policy.transformer))
     assert all(p.requires_grad for p in policy.trainable)
     after = {n: p.detach() for n, p in policy.transformer.named_parameters() if n in base}
     assert all(torch.equal(base[n], after[n]) for n in base)
     torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-5)
+
+
+def test_module_lists_are_found_once_per_model():
+    calls = []
+
+    def find(root):
+        calls.append(root)
+        return [m for m in root.modules() if isinstance(m, torch.nn.Linear)]
+    a, b = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    first = fast.module_list(a, "linears", find)
+    assert fast.module_list(a, "linears", find) is first and calls == [a]
+    assert fast.module_list(b, "linears", find) == [b[0]] and calls == [a, b]  # kept per model
+    assert "linears" not in dict(a.named_modules()) and not list(a.state_dict().keys() - {"0.weight", "0.bias"})
 
 
 def test_batched_old_pass_matches_per_micro_batch(stacks):
