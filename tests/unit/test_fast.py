@@ -152,3 +152,44 @@ def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
     fast_recipe = flatten(load_config("sd35m_pickscore_fast").to_dict())
     changed = {k: v for k, v in fast_recipe.items() if ref[k] != v}
     assert changed == {k: v for k, v in fast.FAST.items() if ref[k] != v}
+
+
+def test_stacked_merge_gives_each_layer_its_own_merged_weight():
+    import copy
+
+    from lora_tools import tiny_policy
+
+    policy = tiny_policy(merge_lora_nograd=True)
+    tr = policy.transformer
+    layers = fast.lora_layers(tr)
+    reference = copy.deepcopy(tr)
+    with torch.no_grad():
+        for layer in fast.lora_layers(reference):
+            fast._merge_one(layer)
+    want = [layer.get_base_layer().weight.detach().clone() for layer in fast.lora_layers(reference)]
+    before = [layer.get_base_layer().weight.detach().clone() for layer in layers]
+    assert all(fast._plain_lora(layer) for layer in layers)
+    assert len(fast._merge_groups(layers, most=4)) > 1  # groups split at `most`
+    with fast.merged_lora(policy):
+        for layer, w, b in zip(layers, want, before):
+            got = layer.get_base_layer().weight
+            torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(got, b)  # the adapters moved it
+    assert all(torch.equal(layer.get_base_layer().weight, b) for layer, b in zip(layers, before))
+
+
+def test_a_layer_with_a_transposed_lora_is_merged_on_its_own():
+    from lora_tools import tiny_policy
+
+    policy = tiny_policy(merge_lora_nograd=True)
+    layers = fast.lora_layers(policy.transformer)
+    odd = layers[0]
+    odd.fan_in_fan_out = True  # peft's Conv1D layout: delta transposed (square here)
+    assert not fast._plain_lora(odd) and fast._plain_lora(layers[1])
+    w = odd.get_base_layer().weight
+    before = w.detach().clone()
+    a, b = odd.lora_A["default"].weight.float(), odd.lora_B["default"].weight.float()
+    with fast.merged_lora(policy):
+        want = (before.float() + (b @ a).T * odd.scaling["default"]).to(before.dtype)
+        assert torch.equal(w, want)
+    assert torch.equal(w, before)

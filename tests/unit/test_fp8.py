@@ -98,3 +98,23 @@ def test_fp8_only_where_scaled_mm_can_multiply():
     assert names and not any("norm" in n or "lora_" in n for n in names)
     assert {"0.ff.net.2", "0.attn.to_out.0.base_layer", "0.ff_context.net.0.proj", "0.attn2.to_q"} <= names
     assert fused_qkv.FusedQKVProcessor not in {type(getattr(m, "processor", None)) for m in tr.modules()}
+
+
+def test_weights_of_one_shape_quantize_together_as_each_alone():
+    g = torch.Generator().manual_seed(3)
+    mods = [torch.nn.Linear(32, 48), torch.nn.Linear(32, 48), torch.nn.Linear(48, 32)]
+    for m in mods:
+        m.weight.data = torch.randn(m.weight.shape, generator=g) * (1 + 10 * torch.rand(m.weight.shape[0], 1, generator=g))
+    entries = [(mods[0], mods[0].weight, ""), (mods[1], mods[1].weight, "added_"), (mods[2], mods[2].weight, "")]
+    fp8.quantize_into(entries)
+    for m, w, prefix in entries:
+        q, scale = fp8.quantize_rows(w)
+        assert torch.equal(getattr(m, prefix + fp8.WEIGHT).view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(getattr(m, prefix + fp8.SCALE), scale)
+    buffers = [getattr(m, prefix + fp8.WEIGHT) for m, _, prefix in entries]
+    for m in mods:
+        m.weight.data.mul_(-2.0)
+    fp8.quantize_into(entries)  # the next entry: in place, new values
+    for (m, w, prefix), buf in zip(entries, buffers):
+        assert getattr(m, prefix + fp8.WEIGHT) is buf
+        assert torch.equal(buf.view(torch.uint8), fp8.quantize_rows(w)[0].view(torch.uint8))
