@@ -76,11 +76,12 @@ LONG_TIMEOUT = 720         # a run with a requeue in it
 # tests 1-5: `hpcnft run tiny --steps 3`
 STEPS3 = 3
 # tests 6-9: a cheaper step (4 samples), a checkpoint every step, no periodic eval, no PNG grids.
-# 40 steps: test 7's run must still be going when Slurm's periodic check (<= ~30 s after the
-# time-limit update, made once the ranks are up) sends the signal.
+# 80 steps: test 7's run must still be going when Slurm's periodic check (<= ~30 s after the
+# time-limit update, made once the ranks are up) sends the signal; a tiny step takes ~0.45 s on
+# one CPU, so 40 steps could end first.
 SHORT_SET = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "eval.every=0",
              "checkpoint.every=1", "logging.sample_grid_every=0"]
-SHORT_STEPS = 40
+SHORT_STEPS = 80
 # test 7 without periodic checkpoints, so the signal path writes the one it resumes from
 # (checkpoint.every is one of the keys the project declares result-neutral: RESUME_MUTABLE_KEYS)
 SIGNAL_SET = [o for o in SHORT_SET if not o.startswith("checkpoint.every=")] + ["checkpoint.every=0"]
@@ -617,8 +618,12 @@ def test_submitit_interrupt_requeues_and_resumes_identical(slurm_cluster, ref_sh
     results = job.results()
     assert results == [0, 0, 0], (results, submitit_logs(job))
     STALE["completions"] = {t: submitit_stdout(job, t).count("Job completed successfully") for t in (0, 1, 2)}
-    job.watcher.update()
-    assert job.state == "COMPLETED", job.state
+    # submitit's state comes from sacct, which can lag behind scontrol's view of the job
+
+    def completed():
+        job.watcher.update()
+        return job.state == "COMPLETED" or None
+    wait_until(f"sacct to report job {job.job_id} COMPLETED", completed, 60, lambda: job.state, poll=2.0)
     print(f"submitit job {job.job_id}: result files of tasks 1, 2 while the job waited for its rerun: "
           f"{STALE['pending']} (state {STALE['state']}); 'Job completed successfully' per task: "
           f"{STALE['completions']}; final results {results}")
