@@ -320,8 +320,9 @@ def _merge_stacked(group) -> tuple[list, list]:
     weights = [layer.get_base_layer().weight for layer in group]
     a = torch.stack([layer.lora_A[n].weight for layer, n in zip(group, names)]).float()
     b = torch.stack([layer.lora_B[n].weight for layer, n in zip(group, names)]).float()
-    scaling = torch.tensor([layer.scaling[n] for layer, n in zip(group, names)], dtype=torch.float32,
-                           device=a.device).view(-1, 1, 1)
+    scales = [layer.scaling[n] for layer, n in zip(group, names)]
+    # one scale (the usual case) as a number: a tensor of scales would be a host-to-device copy
+    scaling = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=a.device).view(-1, 1, 1)
     original = torch.stack(weights)
     merged = (original.float() + torch.bmm(b, a) * scaling).to(original.dtype)
     torch._foreach_copy_(weights, list(merged.unbind(0)))

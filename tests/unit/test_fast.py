@@ -154,7 +154,8 @@ def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
     assert changed == {k: v for k, v in fast.FAST.items() if ref[k] != v}
 
 
-def test_stacked_merge_gives_each_layer_its_own_merged_weight():
+@pytest.mark.parametrize("one_scale", [True, False])
+def test_stacked_merge_gives_each_layer_its_own_merged_weight(one_scale):
     import copy
 
     from lora_tools import tiny_policy
@@ -162,6 +163,9 @@ def test_stacked_merge_gives_each_layer_its_own_merged_weight():
     policy = tiny_policy(merge_lora_nograd=True)
     tr = policy.transformer
     layers = fast.lora_layers(tr)
+    if not one_scale:  # adapters of other alphas: a scale per layer
+        for i, layer in enumerate(layers):
+            layer.scaling["default"] *= 1.0 + 0.5 * i
     reference = copy.deepcopy(tr)
     with torch.no_grad():
         for layer in fast.lora_layers(reference):
