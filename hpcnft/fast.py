@@ -275,11 +275,11 @@ def merged_lora(policy):
     saved = []  # (base weights, their saved copies)
     try:
         with torch.no_grad():
-            plain = [layer for layer in layers if _plain_lora(layer)]
-            for group in _merge_groups(plain):
+            adapters = [_plain_adapter(layer) for layer in layers]
+            for group in _merge_groups([(layer, n) for layer, n in zip(layers, adapters) if n is not None]):
                 saved.append(_merge_stacked(group))
-            for layer in layers:
-                if not _plain_lora(layer):
+            for layer, name in zip(layers, adapters):
+                if name is None:
                     saved.append(_merge_one(layer))
         set_adapters(layers, False)
         yield
@@ -291,36 +291,36 @@ def merged_lora(policy):
                 torch._foreach_copy_(weights, originals)
 
 
-def _plain_lora(layer) -> bool:
-    """One active adapter, weights not sharded, [out, in] layout: merged in stacked groups."""
+def _plain_adapter(layer) -> str | None:
+    """The adapter of a layer merged in stacked groups (one active adapter, weights not sharded,
+    [out, in] layout), or None for a layer merged on its own."""
     from torch.distributed.tensor import DTensor
 
     names = [n for n in layer.active_adapters if n in layer.lora_A]
-    return (len(names) == 1 and not layer.fan_in_fan_out
-            and not any(isinstance(t, DTensor) for t in (layer.get_base_layer().weight,
-                                                         layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight)))
+    if len(names) != 1 or layer.fan_in_fan_out:
+        return None
+    tensors = (layer.get_base_layer().weight, layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight)
+    return None if any(isinstance(t, DTensor) for t in tensors) else names[0]
 
 
-def _merge_groups(layers, most: int = 64) -> list[list]:
-    """Layers whose base and adapter weights have one shape, dtype and device, at most `most` a group
-    (the stacked copies stay a few GiB)."""
+def _merge_groups(named, most: int = 64) -> list[list]:
+    """(layer, adapter) pairs whose base and adapter weights have one shape, dtype and device, at
+    most `most` a group (the stacked copies stay a few GiB)."""
     groups: dict = {}
-    for layer in layers:
-        name = next(n for n in layer.active_adapters if n in layer.lora_A)
+    for layer, name in named:
         w, a = layer.get_base_layer().weight, layer.lora_A[name].weight
-        groups.setdefault((w.shape, w.dtype, w.device, a.shape, a.dtype), []).append(layer)
+        groups.setdefault((w.shape, w.dtype, w.device, a.shape, a.dtype), []).append((layer, name))
     return [g[i:i + most] for g in groups.values() for i in range(0, len(g), most)]
 
 
 def _merge_stacked(group) -> tuple[list, list]:
-    """W + scaling * B @ A for a group of plain LoRA layers as one batched product (computed in
-    fp32, rounded once to the base dtype) and one foreach copy: per layer, the real DiT's ~200
-    LoRA linears made ~2,000 small kernels whose launches the GPU waited on."""
-    names = [next(n for n in layer.active_adapters if n in layer.lora_A) for layer in group]
-    weights = [layer.get_base_layer().weight for layer in group]
-    a = torch.stack([layer.lora_A[n].weight for layer, n in zip(group, names)]).float()
-    b = torch.stack([layer.lora_B[n].weight for layer, n in zip(group, names)]).float()
-    scales = [layer.scaling[n] for layer, n in zip(group, names)]
+    """W + scaling * B @ A for a group of (plain LoRA layer, adapter) pairs as one batched product
+    (computed in fp32, rounded once to the base dtype) and one foreach copy: per layer, the real
+    DiT's ~200 LoRA linears made ~2,000 small kernels whose launches the GPU waited on."""
+    weights = [layer.get_base_layer().weight for layer, _ in group]
+    a = torch.stack([layer.lora_A[n].weight for layer, n in group]).float()
+    b = torch.stack([layer.lora_B[n].weight for layer, n in group]).float()
+    scales = [layer.scaling[n] for layer, n in group]
     # one scale (the usual case) as a number: a tensor of scales would be a host-to-device copy
     scaling = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=a.device).view(-1, 1, 1)
     original = torch.stack(weights)

@@ -172,8 +172,8 @@ def test_stacked_merge_gives_each_layer_its_own_merged_weight(one_scale):
             fast._merge_one(layer)
     want = [layer.get_base_layer().weight.detach().clone() for layer in fast.lora_layers(reference)]
     before = [layer.get_base_layer().weight.detach().clone() for layer in layers]
-    assert all(fast._plain_lora(layer) for layer in layers)
-    assert len(fast._merge_groups(layers, most=4)) > 1  # groups split at `most`
+    assert all(fast._plain_adapter(layer) == "default" for layer in layers)
+    assert len(fast._merge_groups([(layer, "default") for layer in layers], most=4)) > 1  # groups split at `most`
     with fast.merged_lora(policy):
         for layer, w, b in zip(layers, want, before):
             got = layer.get_base_layer().weight
@@ -189,7 +189,7 @@ def test_a_layer_with_a_transposed_lora_is_merged_on_its_own():
     layers = fast.lora_layers(policy.transformer)
     odd = layers[0]
     odd.fan_in_fan_out = True  # peft's Conv1D layout: delta transposed (square here)
-    assert not fast._plain_lora(odd) and fast._plain_lora(layers[1])
+    assert fast._plain_adapter(odd) is None and fast._plain_adapter(layers[1]) == "default"
     w = odd.get_base_layer().weight
     before = w.detach().clone()
     a, b = odd.lora_A["default"].weight.float(), odd.lora_B["default"].weight.float()
