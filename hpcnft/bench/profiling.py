@@ -47,15 +47,6 @@ def categorize(kernels) -> dict:
             "categories": {c: {"s": v, "share": v / total if total > 0 else 0.0} for c, v in sums.items()}}
 
 
-def _device_kernels(prof) -> list[tuple[str, float]]:
-    """(name, seconds) of every device-side event (kernels, memcpy, memset) of the profile."""
-    from torch.autograd import DeviceType
-
-    return [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
-            if e.device_type == DeviceType.CUDA and e.name not in NOT_KERNELS
-            and not getattr(e, "is_user_annotation", False)]
-
-
 def idle_gaps(kernels, host, min_gap_s: float = 2e-4, top: int = 12, prefix: str = "hpcnft/") -> dict:
     """Where the device had no kernel to run. `kernels`: (start_s, end_s, name) of the device's
     kernels (streams merged); `host`: (start_s, end_s, name) of the host's ranges on the same
@@ -117,7 +108,8 @@ def top_kernels(kernels, n: int = 30) -> list[dict]:
 
 
 def _timeline(prof) -> tuple[list, list]:
-    """(kernels, host ranges) of a profile as (start_s, end_s, name), one clock."""
+    """(kernels, host ranges) of a profile as (start_s, end_s, name), one clock. Kernels are every
+    device-side event (kernels, memcpy, memset) but the launch queue's waits and named ranges."""
     from torch.autograd import DeviceType
 
     kernels, host = [], []
@@ -187,13 +179,14 @@ def profile_call(fn, ctx, dev, path: str) -> dict:
         f.write(table + "\n")
     out = {"device": dev.type, "wall_s": wall, "table": path, "spans": spans(prof.key_averages())}
     if cuda:
-        kernels = _device_kernels(prof)
+        timeline, host = _timeline(prof)  # one pass: an iteration's profile has ~10^6 events
+        kernels = [(name, end - start) for start, end, name in timeline]
         cat = categorize(kernels)
         # busy time = the sum of kernel durations: kernels that overlap (several streams) are
         # counted twice, so the idle share is approximate (and clamped at 0)
         out.update(device_time_s=cat["total_s"], kernels=len(kernels), categories=cat["categories"],
                    device_idle_share=max(0.0, 1.0 - cat["total_s"] / wall) if wall > 0 else None,
-                   top_kernels=top_kernels(kernels), idle=idle_gaps(*_timeline(prof)))
+                   top_kernels=top_kernels(kernels), idle=idle_gaps(timeline, host))
     else:
         total, top = _top_cpu_ops(prof)
         out.update(cpu_self_time_s=total, top_ops=top)

@@ -86,15 +86,16 @@ def test_launch_queue_waits_and_named_ranges_are_not_kernels():
 
     from torch.autograd import DeviceType
 
-    from hpcnft.bench.profiling import _device_kernels
+    from hpcnft.bench.profiling import _timeline
 
     def ev(name, us, dt=DeviceType.CUDA, annotation=False):
         return SimpleNamespace(name=name, device_type=dt, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+                               time_range=SimpleNamespace(start=0.0, end=us))
     prof = SimpleNamespace(events=lambda: [ev("nvjet_sm90_gemm", 10.0), ev("Command Buffer Full", 500.0),
                                            ev("hpcnft/train/step", 900.0, annotation=True),
                                            ev("aten::mm", 12.0, DeviceType.CPU)])
-    assert _device_kernels(prof) == [("nvjet_sm90_gemm", 1e-5)]
+    kernels, _ = _timeline(prof)
+    assert [(name, end - start) for start, end, name in kernels] == [("nvjet_sm90_gemm", 1e-5)]
 
 
 def test_an_fp8_rollout_does_not_meet_the_fp16_share_target():
