@@ -5,6 +5,8 @@ into a temporary folder with hpcnft.tiny.ensure_tiny_models (about 8 s on 2 core
 the first import of diffusers/transformers; later builds in the same process take ~1 s).
 
 `hpcnft_cache`: one HPCNFT_CACHE for the session (tests/integration uses it for every test).
+
+`thread_spy`: replace a module's function by one that records the thread it runs in.
 """
 from __future__ import annotations
 
@@ -34,3 +36,20 @@ def hpcnft_cache(tmp_path_factory):
         os.environ.pop("HPCNFT_CACHE", None)
     else:
         os.environ["HPCNFT_CACHE"] = old
+
+
+@pytest.fixture
+def thread_spy(monkeypatch):
+    """spy(module, name) -> the list of thread names module.name is called in from now on (the
+    function still runs); for tests of work moved to worker threads."""
+    import threading
+
+    def spy(module, name: str) -> list[str]:
+        threads, real = [], getattr(module, name)
+
+        def recording(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, recording)
+        return threads
+    return spy

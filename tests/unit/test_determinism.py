@@ -114,19 +114,12 @@ def test_initial_noise_does_not_depend_on_the_batch():
     assert not torch.equal(alone[0], initial_noise(shape, 42, 3, [5], "eval_noise")[0])
 
 
-def test_noise_drawn_ahead_in_a_worker_is_the_initial_noise_of_each_chunk(monkeypatch):
-    import threading
-
+def test_noise_drawn_ahead_in_a_worker_is_the_initial_noise_of_each_chunk(thread_spy):
     from hpcnft import sampler
     from hpcnft.sampler import NoiseAhead
 
-    threads = []
     real = sampler.initial_noise
-
-    def spy(*a, **kw):
-        threads.append(threading.current_thread().name)
-        return real(*a, **kw)
-    monkeypatch.setattr(sampler, "initial_noise", spy)
+    threads = thread_spy(sampler, "initial_noise")
     shape, parts = (4, 8, 8), [[0, 1, 2], [3, 4], [7]]
     futures = NoiseAhead().draw(shape, 42, 3, parts, "rollout_noise")
     for chunk, fut in zip(parts, futures):

@@ -162,9 +162,7 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
 # ---------------------------------------------------------------------------------------------
 # PairNoise: the step's pair noise, prefetched in a worker thread or drawn in line, same values
 # ---------------------------------------------------------------------------------------------
-def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(monkeypatch):
-    import threading
-
+def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(thread_spy):
     from hpcnft import trainer as trainer_mod
     from hpcnft.trainer import PairNoise
 
@@ -176,13 +174,7 @@ def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(m
     for k, (p, j) in enumerate(pairs):
         assert torch.equal(inline[k], pair_noise(cfg, step, ids[p], j, shape))
 
-    threads = []
-    real = trainer_mod.pair_noise
-
-    def spy(*a, **kw):
-        threads.append(threading.current_thread().name)
-        return real(*a, **kw)
-    monkeypatch.setattr(trainer_mod, "pair_noise", spy)
+    threads = thread_spy(trainer_mod, "pair_noise")
     noise = PairNoise(cfg)
     noise.prefetch(step, ids, shape, pin=False)
     got = noise.take(step, ids, pairs, shape)
