@@ -19,11 +19,13 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
 | perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
 | perf.inductor_autotune | Inductor compiles a wider set of block-size configs for each pointwise and reduction kernel it generates (`max_autotune_pointwise`; in parallel worker processes) and times them at the first call | as compile (kernel choice) |
+| perf.gelu_epilogue | the no-grad passes (rollout, v_old) compute each feed-forward's first linear and its tanh GELU as one GEMM with cuBLASLt's GELU epilogue (`hpcnft.epilogue`) | GELU of the fp32 accumulator, not of its fp16 rounding |
 | perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old, training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
 (skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
-pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8)
+pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8,
+gelu_epilogue)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
 so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
 (the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under
@@ -249,15 +251,18 @@ def set_adapters(layers, enabled: bool) -> None:
 @contextlib.contextmanager
 def nograd_weights(policy):
     """The levers of the old policy's no-grad passes (rollout, v_old): LoRA merged into the base
-    (perf.merge_lora_nograd), then q/k/v fused on those weights (perf.fuse_qkv)."""
-    from hpcnft import fused_qkv
+    (perf.merge_lora_nograd), then q/k/v fused on those weights (perf.fuse_qkv), and the
+    feed-forwards' GELU in their first GEMM's epilogue (perf.gelu_epilogue)."""
+    from hpcnft import epilogue, fused_qkv
 
-    with merged_lora(policy):
-        if effective(policy.cfg).fuse_qkv:
-            with fused_qkv.fused(policy.transformer):
-                yield
-        else:
-            yield
+    perf = effective(policy.cfg)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(merged_lora(policy))
+        if perf.fuse_qkv:
+            stack.enter_context(fused_qkv.fused(policy.transformer))
+        if perf.gelu_epilogue:
+            stack.enter_context(epilogue.feed_forwards(policy.transformer))
+        yield
 
 
 @contextlib.contextmanager

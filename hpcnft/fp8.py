@@ -10,6 +10,11 @@ final projection stay in half precision. Under FSDP2 each rank quantizes the gat
 entry. For the rollout only: v_old, the trained forward and evaluation keep their precision, so
 the NFT loss and the eval rewards are those of the fp16 model.
 
+Each feed-forward (linear, tanh GELU, linear) runs as fp8 GEMM, `gelu_quantize_rows` (bias,
+GELU and the per-row quantization of the hidden activation in one op; on CUDA one Triton pass
+per row, `hpcnft.fp8_kernels`), fp8 GEMM: the [tokens, 4d] hidden activation goes from the first
+GEMM's bf16 output straight to the second GEMM's e4m3 input.
+
 Rounding: e4m3 keeps 3 mantissa bits, so each input carries up to 2^-4 relative error; summed
 over K products the errors largely average out, and the bf16 output adds 2^-9. `hpcnft bench`
 reports what it costs in velocity, latents and PickScore at the real shapes
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from hpcnft import fused_qkv
 from hpcnft.fast import full_tensor, module_list
@@ -40,18 +46,57 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
+@torch.library.custom_op("hpcnft::gelu_quantize_rows", mutates_args=())
+def gelu_quantize_rows(h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(gelu(h + bias, approximate="tanh")) for h [M, N], in fp32 (the reference;
+    CUDA has its one-pass kernel)."""
+    g = h.float() if bias is None else h.float() + bias.float()
+    return quantize_rows(F.gelu(g, approximate="tanh"))
+
+
+@gelu_quantize_rows.register_kernel("cuda")
+def _gelu_quantize_rows_cuda(h, bias):
+    from hpcnft import fp8_kernels
+
+    return fp8_kernels.gelu_quantize_rows(h, bias)
+
+
+@gelu_quantize_rows.register_fake
+def _gelu_quantize_rows_fake(h, bias):
+    return torch.empty_like(h, dtype=E4M3), h.new_empty((h.shape[0], 1), dtype=torch.float32)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """What F.linear would give: the autocast dtype, else x's."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+def _scaled_rows(xq, xs, weight_q, weight_scale) -> torch.Tensor:
+    # Row-wise scaled fp8 GEMMs produce bf16; compiled, a cast fuses into the consumer.
+    return torch._scaled_mm(xq, weight_q.t(), scale_a=xs, scale_b=weight_scale.t(),
+                            out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
 def scaled_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, W, b) with W = weight_q * weight_scale ([N, K] e4m3, [N, 1]) and x quantized
     per row. The result has the dtype F.linear would give: the autocast dtype, else x's."""
-    out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    rows = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_rows(rows)
-    # Row-wise scaled fp8 GEMMs produce bf16; compiled, the cast fuses into the consumer.
-    y = torch._scaled_mm(xq, weight_q.t(), scale_a=xs, scale_b=weight_scale.t(),
-                         out_dtype=torch.bfloat16, use_fast_accum=True).to(out_dtype)
+    out_dtype = _out_dtype(x)
+    y = _scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])), weight_q, weight_scale).to(out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def feed_forward(x: torch.Tensor, first: torch.nn.Module, second: torch.nn.Module) -> torch.Tensor:
+    """second(gelu(first(x))) for two Fp8Linear modules: the hidden activation quantized per row
+    from the first GEMM's output by one op (bias and GELU included)."""
+    hq, hs = gelu_quantize_rows(_scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])),
+                                             getattr(first, WEIGHT), getattr(first, SCALE)), first.bias)
+    out_dtype = _out_dtype(x)
+    y = _scaled_rows(hq, hs, getattr(second, WEIGHT), getattr(second, SCALE)).to(out_dtype)
+    if second.bias is not None:
+        y = y + second.bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -116,6 +161,42 @@ class Fp8FusedQKVProcessor:
 _FUSED = Fp8FusedQKVProcessor()
 
 
+class Fp8FeedForwardMixin:
+    """Swapped in as the class of a diffusers FeedForward (linear, tanh GELU, dropout, linear)
+    whose two linears are fp8 (and back out)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return feed_forward(hidden_states, self.net[0].proj, self.net[2])
+
+
+_FF_CLASSES: dict = {}
+
+
+def _fp8_feed_forward_class(cls):
+    if cls not in _FF_CLASSES:
+        _FF_CLASSES[cls] = type("Fp8" + cls.__name__, (Fp8FeedForwardMixin, cls), {})
+    return _FF_CLASSES[cls]
+
+
+def fusable_feed_forwards(transformer, fp8_linears) -> list:
+    """The blocks' FeedForwards that `feed_forward` computes: [GELU(tanh) with a biased linear,
+    Dropout that drops nothing, linear], both linears among `fp8_linears`."""
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import FeedForward
+
+    fp8_ids = {id(m) for m in fp8_linears}
+    out = []
+    for m in transformer.transformer_blocks.modules():
+        if type(m) is not FeedForward or len(m.net) != 3:
+            continue
+        act, drop, second = m.net
+        if (isinstance(act, GELU) and act.approximate == "tanh" and act.proj.bias is not None
+                and isinstance(drop, torch.nn.Dropout) and (drop.p == 0 or not drop.training)
+                and id(act.proj) in fp8_ids and id(second) in fp8_ids):
+            out.append(m)
+    return out
+
+
 @contextlib.contextmanager
 def rollout_linears(transformer):
     """While inside, the blocks' linears (and fused q/k/v) run in fp8 on weights quantized at
@@ -143,15 +224,22 @@ def rollout_linears(transformer):
         if added is not None:
             entries.append((attn, added, "added_"))
     quantize_into(entries)
+    ffs = module_list(transformer, ("fp8_feed_forwards", tuple(id(a) for a in fused)),
+                      lambda t: fusable_feed_forwards(t, linears))
+    ff_classes = [type(m) for m in ffs]
     saved = [a.processor for a in fused]
     try:
         for m in linears:
             m.__class__ = Fp8Linear
+        for m, cls in zip(ffs, ff_classes):
+            m.__class__ = _fp8_feed_forward_class(cls)
         for attn in fused:
             attn.processor = _FUSED
         yield len(linears) + len(fused)
     finally:
         for m in linears:
             m.__class__ = torch.nn.Linear
+        for m, cls in zip(ffs, ff_classes):
+            m.__class__ = cls
         for attn, proc in zip(fused, saved):
             attn.processor = proc

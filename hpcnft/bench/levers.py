@@ -25,7 +25,7 @@ def _parse_value(raw: str):
         return raw
 
 
-def expand_levers(specs: list[str], dev, S: Shapes) -> list[dict]:
+def expand_levers(specs: list[str], dev, S: Shapes, flag: str = "--levers") -> list[dict]:
     """--levers items -> one dict of config overrides per measurement. An item is 'all' (the
     standard sweep) or KEY=VALUE[,KEY=VALUE...]; a KEY without a dot is a perf.* key."""
     out = []
@@ -46,7 +46,8 @@ def expand_levers(specs: list[str], dev, S: Shapes) -> list[dict]:
         lever = {}
         for item in spec.split(","):
             if "=" not in item:
-                raise UsageError(f"--levers {spec!r}: expected KEY=VALUE[,KEY=VALUE...] or 'all'")
+                raise UsageError(f"{flag} {spec!r}: expected KEY=VALUE[,KEY=VALUE...]"
+                                 + (" or 'all'" if flag == "--levers" else ""))
             k, raw = item.split("=", 1)
             k = k.strip()
             lever[k if "." in k else "perf." + k] = _parse_value(raw)

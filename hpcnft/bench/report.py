@@ -93,6 +93,18 @@ def markdown(doc: dict) -> str:
         if e and f and "s" in e and "s" in f:
             ratio = f"{e['per_unit_s'] / f['per_unit_s']:.2f}×"
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+    if doc.get("variants"):
+        lines += ["", "hpcnft fast with one change, same process (speed-up against hpcnft fast):", "",
+                  "| change | phase | time per unit | MFU | peak GiB | vs fast |", "|---|---|---|---|---|---|"]
+        for rec in doc["variants"]:
+            for n, m in rec["phases"].items():
+                if "error" in m:
+                    lines.append(f"| {rec['variant']} | {n} | error | | | |")
+                    continue
+                mfu = f"{m['mfu'] * 100:.1f} %" if m.get("mfu") else ""
+                vs = f"{m['speedup_vs_fast']:.3f}×" if "speedup_vs_fast" in m else "—"
+                lines.append(f"| {rec['variant']} | {n} | {_fmt_ms(m['per_unit_s'])} | {mfu} | "
+                             f"{m.get('peak_gib', 0):.1f} | {vs} |")
     if doc.get("levers"):
         lines += ["", "One lever at a time on top of hpcnft default (speed-up against hpcnft default):", "",
                   "| lever | phase | time per unit | MFU | peak GiB | vs default |", "|---|---|---|---|---|---|"]

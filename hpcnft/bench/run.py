@@ -211,6 +211,11 @@ class Bench:
         if args.profile:
             self.profile(fast, rec, max(fb), max(fm))
         self.free(fast)
+        for change in expand_levers(args.variants, dev, S, "--variant"):
+            if self.over_budget():
+                self.doc["skipped"].append(f"variant {change} (budget)")
+                continue
+            self.run_variant(fast_over, change, fb, fm, {"rollout_batch": fast_b, "micro_batch": fast_mb})
         if not args.no_default:
             default = HpcnftStack("hpcnft_default", "hpcnft path, every perf lever off", S, dev, {})
             self.run_stack(default, self.phases_for(default, S.rollout_batches, S.micro_batches),
@@ -255,13 +260,29 @@ class Bench:
     def finish(self) -> None:
         """Speed-ups against the eager stack beside each phase, and the targets."""
         eager = self.doc["stacks"].get("eager", {}).get("phases", {})
-        for rec in list(self.doc["stacks"].values()) + self.doc["levers"]:
+        for rec in list(self.doc["stacks"].values()) + self.doc["levers"] + self.doc.get("variants", []):
             if rec.get("key") == "eager":
                 continue
             for name, m in rec["phases"].items():
                 if "s" in m and eager.get(name, {}).get("s"):
                     m["speedup_vs_eager"] = eager[name]["per_unit_s"] / m["per_unit_s"]
         self.doc["targets"] = targets(self.doc, self.S)
+        self.save()
+
+    def run_variant(self, fast_over: dict, change: dict, fb: list, fm: list, extra: dict) -> None:
+        """'hpcnft fast' with `change` on top, the same phases at the same batch sizes, in this
+        process: what one change does to the fast stack, free of machine-to-machine variance."""
+        name = ",".join(f"{k}={_toml(v)}" for k, v in change.items())
+        stack = HpcnftStack(f"variant:{name}", f"hpcnft fast + {name}", self.S, self.dev, {**fast_over, **change})
+        rec = self.run_stack(stack, self.phases_for(stack, fb, fm), self.iteration_for("fast"), extra)
+        self.doc["stacks"].pop(stack.key, None)
+        rec["variant"] = name
+        base = self.doc["stacks"]["hpcnft_fast"]["phases"]
+        for ph, m in rec["phases"].items():
+            if "s" in m and base.get(ph, {}).get("s"):
+                m["speedup_vs_fast"] = base[ph]["per_unit_s"] / m["per_unit_s"]
+        self.doc.setdefault("variants", []).append(rec)
+        self.free(stack)
         self.save()
 
     def run_lever(self, lever: dict) -> None:
@@ -318,6 +339,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                         "attention_backend=cudnn perf.compile_blocks=true, or 'all' for the standard sweep")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change the 'hpcnft fast' combination (default: hpcnft.fast.FAST), repeatable")
+    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="also measure 'hpcnft fast' with these changes on top (a KEY without a dot is perf.*), "
+                        "after it in the same process, at its phases and batch sizes; repeatable")
     p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
                    help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
     p.add_argument("--iteration-warm", type=int, default=1,
@@ -351,7 +375,11 @@ def main(name: str, args: argparse.Namespace) -> int:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    for over in expand_levers(args.levers, dev, S) + [fast_overrides(S, dev, args.overrides)]:
+    if "all" in args.variants:
+        raise UsageError("--variant all: name the changes, KEY=VALUE[,KEY=VALUE...]")
+    fast_over = fast_overrides(S, dev, args.overrides)
+    for over in expand_levers(args.levers, dev, S) + [fast_over] + [
+            {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:
         bench_config(S, dev, over)  # bad specs and config values fail before anything is built
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))

@@ -60,3 +60,25 @@ def test_fp8_rollout_forward_on_the_gpu(compiled):
     assert n > 0 and torch.isfinite(in_fp8).all() and 0 < _rel(in_fp8, half) < 0.05
     assert torch.equal(half2, half) and torch.equal(in_fp8_2, in_fp8)
     assert second == first and (first > before) == compiled, dict(graphs)
+
+
+@pytest.mark.parametrize("rows,cols,bias", [(300, 6144, True), (77, 1000, True), (5, 64, False)])
+def test_feed_forward_kernel_is_the_reference(rows, cols, bias):
+    from hpcnft import fp8_kernels
+
+    g = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, cols, generator=g) * 3).to(DEV, torch.bfloat16)
+    b = torch.randn(cols, generator=g).to(DEV, torch.bfloat16) if bias else None
+    h[1] = 0 if b is None else -b  # a row that is zero after the bias
+    q, scale = fp8_kernels.gelu_quantize_rows(h, b)
+    ref_q, ref_scale = fp8.gelu_quantize_rows(h.cpu(), None if b is None else b.cpu())  # the reference, CPU
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (rows, cols) and scale.shape == (rows, 1)
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=1e-5, atol=0)
+    diff = (q.float().cpu() - ref_q.float()).abs()
+    # fast exp: a value near a rounding boundary of e4m3 may land on the next code, nothing more
+    assert float((diff > 0).float().mean()) < 1e-3
+    assert float((diff / ref_q.float().abs().clamp(min=1)).max()) <= 2.0 ** -3
+    assert torch.equal(q[1].float().cpu(), torch.zeros(cols))
+    # and the op dispatches to it on CUDA
+    q2, scale2 = fp8.gelu_quantize_rows(h, b)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)

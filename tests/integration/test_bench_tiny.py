@@ -109,3 +109,28 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
 
     r = hpcnft("bench", "--shapes", "tiny", "--phases", "rollout,decode", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_variant_measures_fast_with_one_change_in_the_same_process(tmp_path):
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train,iteration", "--own-shapes",
+               "--variant", "old_pass_batch=4", "--json", out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and set(doc["stacks"]) == {"hpcnft_fast"}, doc
+    (variant,) = doc["variants"]
+    assert variant["variant"] == "perf.old_pass_batch=4"
+    assert variant["config"]["overrides"]["perf.old_pass_batch"] == 4
+    fast = doc["stacks"]["hpcnft_fast"]["config"]["overrides"]
+    assert fast["perf.old_pass_batch"] == 8  # FAST's at the tiny shapes
+    assert {k: v for k, v in variant["config"]["overrides"].items() if k != "perf.old_pass_batch"} == \
+        {k: v for k, v in fast.items() if k != "perf.old_pass_batch"}
+    assert set(variant["phases"]) == set(doc["stacks"]["hpcnft_fast"]["phases"]) == {"train_pair_mb8", "iteration"}
+    for ph in variant["phases"].values():
+        assert ph["speedup_vs_fast"] > 0
+    assert "hpcnft fast with one change" in r.stdout and "perf.old_pass_batch=4" in r.stdout
+
+    r = hpcnft("bench", "--shapes", "tiny", "--variant", "old_pass_batch", env={"CUDA_VISIBLE_DEVICES": ""},
+               timeout=120)
+    assert r.returncode == 2 and "--variant 'old_pass_batch': expected KEY=VALUE" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -118,3 +118,49 @@ def test_weights_of_one_shape_quantize_together_as_each_alone():
     for (m, w, prefix), buf in zip(entries, buffers):
         assert getattr(m, prefix + fp8.WEIGHT) is buf
         assert torch.equal(buf.view(torch.uint8), fp8.quantize_rows(w)[0].view(torch.uint8))
+
+
+def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
+    tr = policy.transformer
+    ff = tr.transformer_blocks[0].ff
+    x = torch.randn(2, 9, ff.net[0].proj.in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), fast.nograd_weights(policy):
+        with fp8.rollout_linears(tr):
+            ffs = [m for m in tr.modules() if isinstance(m, fp8.Fp8FeedForwardMixin)]
+            with Ops() as ops:
+                fused = ff(x)
+            # the same GEMMs with diffusers' GELU between them, hidden activation in fp32
+            h = F.gelu(fp8.scaled_linear(x, getattr(ff.net[0].proj, fp8.WEIGHT), getattr(ff.net[0].proj, fp8.SCALE),
+                                         ff.net[0].proj.bias.float()), approximate="tanh")
+            unfused = fp8.scaled_linear(h, getattr(ff.net[2], fp8.WEIGHT), getattr(ff.net[2], fp8.SCALE), ff.net[2].bias)
+        plain = ff(x)
+    # every block's image and text feed-forward (the last block has no text one)
+    n_blocks = len(tr.transformer_blocks)
+    assert len(ffs) == 2 * n_blocks - 1 and not any(isinstance(m, fp8.Fp8FeedForwardMixin) for m in tr.modules())
+    assert "hpcnft::gelu_quantize_rows" in ops.seen and "aten::gelu" not in ops.seen
+    assert [o for o in ops.seen if o == "aten::_scaled_mm"] == ["aten::_scaled_mm"] * 2
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-6)
+    assert 0 < _rel(fused, plain) < 0.1  # one tiny feed-forward: e4m3's 2^-4 per input, twice
+
+
+def test_gelu_quantize_rows_is_gelu_then_row_quantization():
+    g = torch.Generator().manual_seed(5)
+    h, b = torch.randn(5, 24, generator=g) * 3, torch.randn(24, generator=g).bfloat16().float()
+    h[2] = -b  # a row that is zero after the bias
+    q, scale = fp8.gelu_quantize_rows(h.bfloat16(), b)
+    ref_q, ref_scale = fp8.quantize_rows(F.gelu(h.bfloat16().float() + b, approximate="tanh"))
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    assert torch.equal(q[2].float(), torch.zeros(24))

@@ -1,0 +1,110 @@
+"""perf.gelu_epilogue on the CPU: the feed-forward's linear + GELU as one op
+(torch._addmm_activation), only in the no-grad passes and only where the op's GELU is the
+module's, and a context that leaves the model as it found it. On the CPU the op's GELU is the
+exact one, so the tiny DiT's GELUs are made exact here to take it; SD3's tanh GELU takes it on
+CUDA (tests/gpu/test_epilogue_gpu.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hpcnft import epilogue, fast, fp8
+from hpcnft.sampler import velocity
+from hpcnft.tiny import TINY_TRANSFORMER
+from lora_tools import tiny_policy
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops a forward runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _exact_gelu_policy(**perf):
+    policy = tiny_policy(**perf)
+    for m in epilogue.gelu_modules(policy.transformer):
+        m.approximate = "none"
+    return policy
+
+
+def _velocity(policy):
+    c = TINY_TRANSFORMER
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, c["in_channels"], 8, 8, generator=g)
+    pe = torch.randn(3, 5, c["joint_attention_dim"], generator=g)
+    pooled = torch.randn(3, c["pooled_projection_dim"], generator=g)
+    with torch.no_grad():
+        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.1]), pe, pooled, torch.float32)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_addmm_gelu_is_the_linear_then_the_devices_gelu_in_the_linears_dtype(autocast):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 5, 32, generator=g), torch.randn(48, 32, generator=g) / 6, torch.randn(48, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = epilogue.addmm_gelu(x, w, b)
+        ref = F.gelu(F.linear(x, w, b), approximate=epilogue.OP_GELU["cpu"])
+    assert y.dtype == ref.dtype and y.shape == ref.shape == (2, 5, 48)
+    torch.testing.assert_close(y, ref, rtol=1e-2 if autocast else 1e-5, atol=1e-2 if autocast else 1e-6)
+
+
+def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
+    policy = _exact_gelu_policy(merge_lora_nograd=True, fuse_qkv=True, gelu_epilogue=True)
+    tr = policy.transformer
+    classes = [type(m) for m in tr.modules()]
+    with _Ops() as outside:
+        before = _velocity(policy)
+    with fast.nograd_weights(policy):
+        gelus = epilogue.gelu_modules(tr)
+        assert gelus and all(isinstance(m, epilogue.EpilogueGELUMixin) for m in gelus)
+        with _Ops() as inside:
+            merged = _velocity(policy)
+        with fp8.rollout_linears(tr), _Ops() as in_fp8:  # an fp8 first linear: diffusers' forward
+            _velocity(policy)
+    assert "_addmm_activation" in inside.seen and "gelu" not in inside.seen
+    assert "_addmm_activation" not in outside.seen | in_fp8.seen and "gelu" in in_fp8.seen
+    assert [type(m) for m in tr.modules()] == classes
+    torch.testing.assert_close(merged, before, rtol=1e-4, atol=1e-5)
+    assert torch.equal(_velocity(policy), before)
+
+
+def test_only_where_the_ops_gelu_is_the_modules():
+    policy = tiny_policy(merge_lora_nograd=True, gelu_epilogue=True)  # SD3's tanh GELU; the CPU op's is exact
+    with fast.nograd_weights(policy), _Ops() as ops:
+        assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
+        _velocity(policy)
+    assert "_addmm_activation" not in ops.seen and "gelu" in ops.seen
+
+
+def test_off_by_default_and_never_where_gradients_flow():
+    policy = _exact_gelu_policy(merge_lora_nograd=True)
+    with fast.nograd_weights(policy):
+        assert not any(isinstance(m, epilogue.EpilogueGELUMixin) for m in policy.transformer.modules())
+    module = epilogue.gelu_modules(policy.transformer)[0]
+    x = torch.randn(2, 3, module.proj.in_features, requires_grad=True)
+    with epilogue.feed_forwards(policy.transformer):
+        assert isinstance(module, epilogue.EpilogueGELUMixin)
+        with _Ops() as ops:
+            y = module(x)  # the op has no backward: diffusers' forward where x needs a gradient
+        y.sum().backward()
+        with torch.no_grad(), _Ops() as nograd:
+            module(x)
+    assert x.grad is not None and "_addmm_activation" not in ops.seen and "_addmm_activation" in nograd.seen
+    assert not isinstance(module, epilogue.EpilogueGELUMixin)
+
+
+def test_flops_are_counted_as_the_gemms():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, b = torch.randn(2, 5, 32), torch.randn(48, 32), torch.randn(48)
+    with FlopCounterMode(display=False) as fused:
+        epilogue.addmm_gelu(x, w, b)
+    with FlopCounterMode(display=False) as plain:
+        F.gelu(F.linear(x, w, b))
+    assert fused.get_total_flops() == plain.get_total_flops() == 2 * 10 * 32 * 48
