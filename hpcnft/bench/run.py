@@ -200,11 +200,14 @@ class Bench:
         fm = sorted(fm | (set(S.micro_batches) if args.all_shapes else set()))
         rec = self.run_stack(fast, self.phases_for(fast, fb, fm), self.iteration_for("fast"),
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
-        if fast.cfg.perf.pickscore_preprocess == "device":  # four scorer calls: not worth a budget check
+        # What the numerics levers cost, where the phases asked for use what they change: the
+        # fp8 cost samples at the rollout shapes (on a GPU, compiles them); not for --phases train.
+        sampled, scored = bool({"rollout", "iteration"} & set(args.phases)), bool({"pickscore", "iteration"} & set(args.phases))
+        if fast.cfg.perf.pickscore_preprocess == "device" and scored:  # four scorer calls: no budget check
             rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
             self.log(f"pickscore_preprocess=device vs PIL, |score difference|: {rec['pickscore_preprocess_cost']}")
             self.save()
-        if fast.cfg.perf.rollout_fp8:
+        if fast.cfg.perf.rollout_fp8 and sampled and not self.over_budget():
             rec["rollout_fp8_cost"] = fast.rollout_fp8_cost(fast_b)
             self.log(f"rollout_fp8 vs {fast.cfg.train.precision} rollout: {rec['rollout_fp8_cost']}")
             self.save()

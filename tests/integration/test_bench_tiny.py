@@ -100,12 +100,15 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     # only the iteration is profiled: the rollout forward and the train pairs were not asked for
     assert set(doc["stacks"]["hpcnft_fast"]["profile"]) == {"iteration"}
     assert "speedup_vs_eager" in doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]
+    assert "pickscore_preprocess_cost" in doc["stacks"]["hpcnft_fast"]  # the iteration scores
 
     r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train", "--own-shapes", "--json", out,
-               env={"CUDA_VISIBLE_DEVICES": ""})
+               "--set", "perf.rollout_fp8=true", env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
-    phases = json.loads(out.read_text())["stacks"]["hpcnft_fast"]["phases"]
-    assert set(phases) == {"train_pair_mb8"}  # FAST's micro-batch at the tiny shapes, not also the eager 4
+    fast = json.loads(out.read_text())["stacks"]["hpcnft_fast"]
+    assert set(fast["phases"]) == {"train_pair_mb8"}  # FAST's micro-batch at the tiny shapes, not also the eager 4
+    # nothing sampled or scored: neither lever's cost is measured (the fp8 one compiles the rollout on a GPU)
+    assert "rollout_fp8_cost" not in fast and "pickscore_preprocess_cost" not in fast
 
     r = hpcnft("bench", "--shapes", "tiny", "--phases", "rollout,decode", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr
