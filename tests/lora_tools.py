@@ -44,3 +44,37 @@ def move_adapters(transformer) -> None:
     """What a training step does to the no-grad passes' inputs: the adapters change (B negated)."""
     for layer in fast.lora_layers(transformer):
         layer.lora_B["default"].weight.mul_(-1.0)
+
+
+def tiny_velocity(policy, device: str = "cpu") -> torch.Tensor:
+    """The no-grad velocity of `policy` at seeded inputs: 3 samples at 8x8 in fp32 on the CPU;
+    4 at 16x16 under fp16 autocast (returned as fp32) on a GPU."""
+    import contextlib
+
+    from hpcnft.sampler import velocity
+
+    c = TINY_TRANSFORMER
+    n, size, tokens, sigmas = (3, 8, 5, [0.9, 0.5, 0.1]) if device == "cpu" else (4, 16, 7, [0.9, 0.5, 0.3, 0.1])
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, c["in_channels"], size, size, generator=g).to(device)
+    pe = torch.randn(n, tokens, c["joint_attention_dim"], generator=g).to(device)
+    pooled = torch.randn(n, c["pooled_projection_dim"], generator=g).to(device)
+    half = device != "cpu"
+    autocast = torch.autocast("cuda", dtype=torch.float16) if half else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        v = velocity(policy.transformer, x, torch.tensor(sigmas, device=device), pe, pooled,
+                     torch.float16 if half else torch.float32)
+    return v.float()
+
+
+def gpu_policy(compiled: bool, *overrides: str):
+    """tiny_policy's counterpart on the GPU: fp16 base, on cuda, the blocks compiled if asked."""
+    import types
+
+    from hpcnft.config import load_config
+
+    cfg = load_config("tiny", list(overrides))
+    tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to("cuda")
+    if compiled:
+        fast.compile_blocks(tr)
+    return types.SimpleNamespace(cfg=cfg, transformer=tr)

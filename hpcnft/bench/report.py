@@ -75,6 +75,23 @@ def _cell(m: dict | None) -> str:
     return text
 
 
+def _change_table(recs, name: str, base: str, digits: int, title: str) -> list[str]:
+    """Rows of the stacks measured with one change (--variant on fast, --levers on default)."""
+    if not recs:
+        return []
+    lines = ["", title, "", f"| {name} | phase | time per unit | MFU | peak GiB | vs {base} |", "|---|---|---|---|---|---|"]
+    for rec in recs:
+        for n, m in rec["phases"].items():
+            if "error" in m:
+                lines.append(f"| {rec[name]} | {n} | error | | | |")
+                continue
+            mfu = f"{m['mfu'] * 100:.1f} %" if m.get("mfu") else ""
+            vs = m.get(f"speedup_vs_{base}")
+            lines.append(f"| {rec[name]} | {n} | {_fmt_ms(m['per_unit_s'])} | {mfu} | {m.get('peak_gib', 0):.1f} | "
+                         + (f"{vs:.{digits}f}× |" if vs else "— |"))
+    return lines
+
+
 def markdown(doc: dict) -> str:
     st = doc["stacks"]
     cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast") if k in st]
@@ -93,30 +110,10 @@ def markdown(doc: dict) -> str:
         if e and f and "s" in e and "s" in f:
             ratio = f"{e['per_unit_s'] / f['per_unit_s']:.2f}×"
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
-    if doc.get("variants"):
-        lines += ["", "hpcnft fast with one change, same process (speed-up against hpcnft fast):", "",
-                  "| change | phase | time per unit | MFU | peak GiB | vs fast |", "|---|---|---|---|---|---|"]
-        for rec in doc["variants"]:
-            for n, m in rec["phases"].items():
-                if "error" in m:
-                    lines.append(f"| {rec['variant']} | {n} | error | | | |")
-                    continue
-                mfu = f"{m['mfu'] * 100:.1f} %" if m.get("mfu") else ""
-                vs = f"{m['speedup_vs_fast']:.3f}×" if "speedup_vs_fast" in m else "—"
-                lines.append(f"| {rec['variant']} | {n} | {_fmt_ms(m['per_unit_s'])} | {mfu} | "
-                             f"{m.get('peak_gib', 0):.1f} | {vs} |")
-    if doc.get("levers"):
-        lines += ["", "One lever at a time on top of hpcnft default (speed-up against hpcnft default):", "",
-                  "| lever | phase | time per unit | MFU | peak GiB | vs default |", "|---|---|---|---|---|---|"]
-        for rec in doc["levers"]:
-            for n, m in rec["phases"].items():
-                if "error" in m:
-                    lines.append(f"| {rec['lever']} | {n} | error | | | |")
-                    continue
-                lines.append(f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | "
-                             f"{m['mfu'] * 100:.1f} % | {m.get('peak_gib', 0):.1f} | "
-                             + (f"{m['speedup_vs_default']:.2f}× |" if "speedup_vs_default" in m else "— |")
-                             if m.get("mfu") else f"| {rec['lever']} | {n} | {_fmt_ms(m['per_unit_s'])} | | | |")
+    lines += _change_table(doc.get("variants"), "variant", "fast", 3,
+                           "hpcnft fast with one change, same process (speed-up against hpcnft fast):")
+    lines += _change_table(doc.get("levers"), "lever", "default", 2,
+                           "One lever at a time on top of hpcnft default (speed-up against hpcnft default):")
     if doc.get("targets"):
         lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
         for k, t in doc["targets"].items():

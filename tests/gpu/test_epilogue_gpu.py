@@ -3,17 +3,12 @@ op is the linear followed by SD3's tanh GELU (cuBLASLt's epilogue), the no-grad 
 it and stays close to diffusers' own, and a second pass reuses what the first compiled."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hpcnft import epilogue, fast
-from hpcnft.config import load_config
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import tiny_lora_dit
+from lora_tools import gpu_policy, tiny_velocity
 
 DEV = torch.device("cuda", 0)
 
@@ -34,37 +29,18 @@ def test_the_op_is_the_linear_then_the_tanh_gelu():
     assert err_fused <= float((unfused.double().cpu() - tanh).abs().mean())
 
 
-def _policy(compiled: bool):
-    cfg = load_config("tiny", ["perf.merge_lora_nograd=true", "perf.fuse_qkv=true", "perf.gelu_epilogue=true"])
-    tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to(DEV)
-    if compiled:
-        fast.compile_blocks(tr)
-    return types.SimpleNamespace(cfg=cfg, transformer=tr)
-
-
-def _velocity(policy):
-    c = TINY_TRANSFORMER
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, c["in_channels"], 16, 16, generator=g).to(DEV)
-    pe = torch.randn(4, 7, c["joint_attention_dim"], generator=g).to(DEV)
-    pooled = torch.randn(4, c["pooled_projection_dim"], generator=g).to(DEV)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.3, 0.1], device=DEV), pe, pooled,
-                        torch.float16).float()
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_no_grad_forward_with_the_epilogue(compiled):
     import torch._dynamo
 
-    policy = _policy(compiled)
+    policy = gpu_policy(compiled, "perf.merge_lora_nograd=true", "perf.fuse_qkv=true", "perf.gelu_epilogue=true")
     graphs = torch._dynamo.utils.counters["stats"]
-    plain = _velocity(policy)
+    plain = tiny_velocity(policy, "cuda")
     outs = []
     for _ in range(2):
         with fast.nograd_weights(policy):
             assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
-            outs.append((_velocity(policy), graphs["unique_graphs"]))
+            outs.append((tiny_velocity(policy, "cuda"), graphs["unique_graphs"]))
     (first, n1), (second, n2) = outs
     assert torch.isfinite(first).all() and float((first - plain).norm() / plain.norm()) < 1e-2
     assert torch.equal(first, second) and n1 == n2

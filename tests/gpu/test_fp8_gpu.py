@@ -3,39 +3,15 @@ perf.rollout_fp8's forward is close to the fp16 forward, compiles, and entering 
 again reuses the compiled graphs of both (no recompilation per rollout)."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
 from hpcnft import fast, fp8
-from hpcnft.config import load_config
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import tiny_lora_dit
+from lora_tools import gpu_policy, tiny_velocity
 
 DEV = torch.device("cuda", 0)
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability(0) < (8, 9),
                                 reason="fp8 GEMMs need compute capability 8.9 or newer")
-
-
-def _policy(compiled: bool):
-    cfg = load_config("tiny", ["perf.merge_lora_nograd=true", "perf.fuse_qkv=true"])
-    tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to(DEV)
-    if compiled:
-        fast.compile_blocks(tr)
-    return types.SimpleNamespace(cfg=cfg, transformer=tr)
-
-
-def _velocity(policy):
-    c = TINY_TRANSFORMER
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(4, c["in_channels"], 16, 16, generator=g).to(DEV)
-    pe = torch.randn(4, 7, c["joint_attention_dim"], generator=g).to(DEV)
-    pooled = torch.randn(4, c["pooled_projection_dim"], generator=g).to(DEV)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.3, 0.1], device=DEV), pe, pooled,
-                        torch.float16).float()
 
 
 def _rel(a, b) -> float:
@@ -46,15 +22,15 @@ def _rel(a, b) -> float:
 def test_fp8_rollout_forward_on_the_gpu(compiled):
     import torch._dynamo
 
-    policy = _policy(compiled)
+    policy = gpu_policy(compiled, "perf.merge_lora_nograd=true", "perf.fuse_qkv=true")
     outs = []
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]  # other tests of the session may have compiled
     for _ in range(2):  # two rollouts: the second must reuse what the first compiled
         with fast.nograd_weights(policy):
-            half = _velocity(policy)
+            half = tiny_velocity(policy, "cuda")
             with fp8.rollout_linears(policy.transformer) as n:
-                in_fp8 = _velocity(policy)
+                in_fp8 = tiny_velocity(policy, "cuda")
         outs.append((half, in_fp8, graphs["unique_graphs"]))
     (half, in_fp8, first), (half2, in_fp8_2, second) = outs
     assert n > 0 and torch.isfinite(in_fp8).all() and 0 < _rel(in_fp8, half) < 0.05

@@ -9,9 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpcnft import epilogue, fast, fp8
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import tiny_policy
+from lora_tools import tiny_policy, tiny_velocity
 
 
 class _Ops(TorchDispatchMode):
@@ -33,16 +31,6 @@ def _exact_gelu_policy(**perf):
     return policy
 
 
-def _velocity(policy):
-    c = TINY_TRANSFORMER
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, c["in_channels"], 8, 8, generator=g)
-    pe = torch.randn(3, 5, c["joint_attention_dim"], generator=g)
-    pooled = torch.randn(3, c["pooled_projection_dim"], generator=g)
-    with torch.no_grad():
-        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.1]), pe, pooled, torch.float32)
-
-
 @pytest.mark.parametrize("autocast", [False, True])
 def test_addmm_gelu_is_the_linear_then_the_devices_gelu_in_the_linears_dtype(autocast):
     g = torch.Generator().manual_seed(0)
@@ -59,26 +47,26 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
     tr = policy.transformer
     classes = [type(m) for m in tr.modules()]
     with _Ops() as outside:
-        before = _velocity(policy)
+        before = tiny_velocity(policy)
     with fast.nograd_weights(policy):
         gelus = epilogue.gelu_modules(tr)
         assert gelus and all(isinstance(m, epilogue.EpilogueGELUMixin) for m in gelus)
         with _Ops() as inside:
-            merged = _velocity(policy)
+            merged = tiny_velocity(policy)
         with fp8.rollout_linears(tr), _Ops() as in_fp8:  # an fp8 first linear: diffusers' forward
-            _velocity(policy)
+            tiny_velocity(policy)
     assert "_addmm_activation" in inside.seen and "gelu" not in inside.seen
     assert "_addmm_activation" not in outside.seen | in_fp8.seen and "gelu" in in_fp8.seen
     assert [type(m) for m in tr.modules()] == classes
     torch.testing.assert_close(merged, before, rtol=1e-4, atol=1e-5)
-    assert torch.equal(_velocity(policy), before)
+    assert torch.equal(tiny_velocity(policy), before)
 
 
 def test_only_where_the_ops_gelu_is_the_modules():
     policy = tiny_policy(merge_lora_nograd=True, gelu_epilogue=True)  # SD3's tanh GELU; the CPU op's is exact
     with fast.nograd_weights(policy), _Ops() as ops:
         assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
-        _velocity(policy)
+        tiny_velocity(policy)
     assert "_addmm_activation" not in ops.seen and "gelu" in ops.seen
 
 

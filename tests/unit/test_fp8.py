@@ -8,9 +8,7 @@ import torch.nn.functional as F
 
 from hpcnft import fast, fp8, fused_qkv
 from hpcnft.config import load_config
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
-from lora_tools import move_adapters, tiny_lora_dit, tiny_policy
+from lora_tools import move_adapters, tiny_lora_dit, tiny_policy, tiny_velocity
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,38 +41,28 @@ def test_scaled_linear_is_close_to_the_linear_and_keeps_its_dtype(autocast):
     assert 0 < _rel(y, ref) < 0.05
 
 
-def _velocity(policy):
-    c = TINY_TRANSFORMER
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(3, c["in_channels"], 8, 8, generator=g)
-    pe = torch.randn(3, 5, c["joint_attention_dim"], generator=g)
-    pooled = torch.randn(3, c["pooled_projection_dim"], generator=g)
-    with torch.no_grad():
-        return velocity(policy.transformer, x, torch.tensor([0.9, 0.5, 0.1]), pe, pooled, torch.float32)
-
-
 @pytest.mark.parametrize("fuse", [False, True])
 def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=fuse)
     tr = policy.transformer
-    before = _velocity(policy)
+    before = tiny_velocity(policy)
     state = {k: v.clone() for k, v in tr.state_dict().items()}
     with fast.nograd_weights(policy):
-        merged = _velocity(policy)
+        merged = tiny_velocity(policy)
         procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
         with fp8.rollout_linears(tr) as n:
             kinds = {type(m) for m in tr.transformer_blocks.modules()}
-            in_fp8 = _velocity(policy)
+            in_fp8 = tiny_velocity(policy)
             fused = [m for m in tr.modules() if isinstance(getattr(m, "processor", None), fp8.Fp8FusedQKVProcessor)]
         assert [m.processor for m in tr.modules() if hasattr(m, "processor")] == procs
-        assert torch.equal(_velocity(policy), merged)  # the merged forward again, bit for bit
+        assert torch.equal(tiny_velocity(policy), merged)  # the merged forward again, bit for bit
     assert fp8.Fp8Linear in kinds and n > 0
     assert bool(fused) == fuse  # the fused q/k/v GEMMs go fp8 too
     # the modulation linears (one row per sample) stay in full precision
     assert all(type(blk.norm1.linear) is torch.nn.Linear for blk in tr.transformer_blocks)
     assert 0 < _rel(in_fp8, merged) < 0.05
     assert not any(isinstance(m, fp8.Fp8Linear) for m in tr.modules())
-    assert torch.equal(_velocity(policy), before)
+    assert torch.equal(tiny_velocity(policy), before)
     after = tr.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)  # no fp8 buffer saved
 
@@ -82,12 +70,12 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
 def test_fp8_weights_follow_the_weights_at_entry():
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     with fast.nograd_weights(policy), fp8.rollout_linears(policy.transformer):
-        first = _velocity(policy)
+        first = tiny_velocity(policy)
     move_adapters(policy.transformer)
     with fast.nograd_weights(policy):
-        merged = _velocity(policy)
+        merged = tiny_velocity(policy)
         with fp8.rollout_linears(policy.transformer):
-            second = _velocity(policy)
+            second = tiny_velocity(policy)
     assert _rel(second, merged) < 0.25 * _rel(first, merged)  # quantized from the new weights
 
 
