@@ -25,12 +25,6 @@ import torch
 OP_GELU = {"cuda": "tanh", "cpu": "none"}
 
 
-def _gelu_class():
-    from diffusers.models.activations import GELU
-
-    return GELU
-
-
 def _count_flops_as_addmm() -> None:
     """FlopCounterMode (hpcnft bench, the perf metrics) has no formula for this op: count its
     GEMM as addmm's."""
@@ -50,7 +44,9 @@ _count_flops_as_addmm()
 def addmm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu(F.linear(x, weight, bias), approximate=OP_GELU[device]) as one GEMM with a GELU
     epilogue, in the autocast dtype when autocast is on (as F.linear would), else in x's."""
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    from hpcnft.fast import linear_dtype
+
+    dtype = linear_dtype(x)
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     y = torch._addmm_activation(bias.to(dtype), rows, weight.to(dtype).t(), use_gelu=True)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -64,7 +60,7 @@ def applies(module, x: torch.Tensor) -> bool:
 
 
 class EpilogueGELUMixin:
-    """Swapped in as the class of diffusers' GELU modules by `feed_forwards` (and back out)."""
+    """Mixed into the class of diffusers' GELU modules by `feed_forwards` (and back out)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if not applies(self, hidden_states):
@@ -72,33 +68,20 @@ class EpilogueGELUMixin:
         return addmm_gelu(hidden_states, self.proj.weight, self.proj.bias)
 
 
-_SWAPPED: dict = {}
-
-
-def _epilogue_class(cls):
-    """One subclass per diffusers GELU class (so isinstance and the original forward still hold)."""
-    if cls not in _SWAPPED:
-        _SWAPPED[cls] = type("Epilogue" + cls.__name__, (EpilogueGELUMixin, cls), {})
-    return _SWAPPED[cls]
-
-
 def gelu_modules(transformer) -> list:
+    from diffusers.models.activations import GELU
+
     from hpcnft.fast import module_list
 
-    gelu = _gelu_class()
     return module_list(transformer, "gelu_modules",
-                       lambda t: [m for m in t.transformer_blocks.modules() if type(m) is gelu])
+                       lambda t: [m for m in t.transformer_blocks.modules() if type(m) is GELU])
 
 
 @contextlib.contextmanager
 def feed_forwards(transformer):
     """While inside, the blocks' GELU modules use the GEMM epilogue (where it applies)."""
+    from hpcnft.fast import mixed_in
+
     modules = gelu_modules(transformer)
-    originals = [type(m) for m in modules]
-    try:
-        for m, cls in zip(modules, originals):
-            m.__class__ = _epilogue_class(cls)
+    with mixed_in(modules, EpilogueGELUMixin, "Epilogue"):
         yield len(modules)
-    finally:
-        for m, cls in zip(modules, originals):
-            m.__class__ = cls

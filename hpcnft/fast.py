@@ -240,6 +240,32 @@ def module_list(root, key: str, find):
     return cache[key]
 
 
+def linear_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(x, ...) gives: the autocast dtype where autocast is on, else x's (for
+    the levers that replace a linear by their own GEMMs)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
+_MIXED: dict = {}
+
+
+@contextlib.contextmanager
+def mixed_in(modules, mixin, prefix: str):
+    """While inside, each module's class is a subclass of (mixin, its class), named prefix +
+    its class's name and made once per class, so isinstance and super().forward still hold; on
+    exit the classes are put back. How the levers swap a module's forward without copying it."""
+    originals = [type(m) for m in modules]
+    try:
+        for m, cls in zip(modules, originals):
+            if (mixin, cls) not in _MIXED:
+                _MIXED[mixin, cls] = type(prefix + cls.__name__, (mixin, cls), {})
+            m.__class__ = _MIXED[mixin, cls]
+        yield
+    finally:
+        for m, cls in zip(modules, originals):
+            m.__class__ = cls
+
+
 def set_adapters(layers, enabled: bool) -> None:
     """peft LoRA layers on or off by the flag their forward reads. diffusers' enable/disable_adapters
     walk every module and re-set requires_grad on each adapter (~1,100 calls for the real DiT);

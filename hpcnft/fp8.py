@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcnft import fused_qkv
-from hpcnft.fast import full_tensor, module_list
+from hpcnft.fast import full_tensor, linear_dtype, mixed_in, module_list
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -66,38 +66,35 @@ def _gelu_quantize_rows_fake(h, bias):
     return torch.empty_like(h, dtype=E4M3), h.new_empty((h.shape[0], 1), dtype=torch.float32)
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """What F.linear would give: the autocast dtype, else x's."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-
 def _scaled_rows(xq, xs, weight_q, weight_scale) -> torch.Tensor:
     # Row-wise scaled fp8 GEMMs produce bf16; compiled, a cast fuses into the consumer.
     return torch._scaled_mm(xq, weight_q.t(), scale_a=xs, scale_b=weight_scale.t(),
                             out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
-def scaled_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, W, b) with W = weight_q * weight_scale ([N, K] e4m3, [N, 1]) and x quantized
-    per row. The result has the dtype F.linear would give: the autocast dtype, else x's."""
-    out_dtype = _out_dtype(x)
-    y = _scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])), weight_q, weight_scale).to(out_dtype)
+def _linear_out(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The [rows, N] GEMM result y as F.linear(x, ...) would give it: bias added, x's leading
+    shape, in linear_dtype(x)."""
+    out_dtype = linear_dtype(x)
+    y = y.to(out_dtype)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def scaled_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, W, b) with W = weight_q * weight_scale ([N, K] e4m3, [N, 1]) and x quantized
+    per row. The result has the dtype F.linear would give: the autocast dtype, else x's."""
+    return _linear_out(_scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])), weight_q, weight_scale), bias, x)
+
+
 def feed_forward(x: torch.Tensor, first: torch.nn.Module, second: torch.nn.Module) -> torch.Tensor:
     """second(gelu(first(x))) for two Fp8Linear modules: the hidden activation quantized per row
     from the first GEMM's output by one op (bias and GELU included)."""
-    hq, hs = gelu_quantize_rows(_scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])),
-                                             getattr(first, WEIGHT), getattr(first, SCALE)), first.bias)
-    out_dtype = _out_dtype(x)
-    y = _scaled_rows(hq, hs, getattr(second, WEIGHT), getattr(second, SCALE)).to(out_dtype)
-    if second.bias is not None:
-        y = y + second.bias.to(out_dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    hidden = _scaled_rows(*quantize_rows(x.reshape(-1, x.shape[-1])), getattr(first, WEIGHT), getattr(first, SCALE))
+    hq, hs = gelu_quantize_rows(hidden, first.bias)
+    return _linear_out(_scaled_rows(hq, hs, getattr(second, WEIGHT), getattr(second, SCALE)), second.bias, x)
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -162,20 +159,11 @@ _FUSED = Fp8FusedQKVProcessor()
 
 
 class Fp8FeedForwardMixin:
-    """Swapped in as the class of a diffusers FeedForward (linear, tanh GELU, dropout, linear)
-    whose two linears are fp8 (and back out)."""
+    """Mixed into the class of a diffusers FeedForward (linear, tanh GELU, dropout, linear)
+    whose two linears are fp8, while `rollout_linears` is entered."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return feed_forward(hidden_states, self.net[0].proj, self.net[2])
-
-
-_FF_CLASSES: dict = {}
-
-
-def _fp8_feed_forward_class(cls):
-    if cls not in _FF_CLASSES:
-        _FF_CLASSES[cls] = type("Fp8" + cls.__name__, (Fp8FeedForwardMixin, cls), {})
-    return _FF_CLASSES[cls]
 
 
 def fusable_feed_forwards(transformer, fp8_linears) -> list:
@@ -226,20 +214,16 @@ def rollout_linears(transformer):
     quantize_into(entries)
     ffs = module_list(transformer, ("fp8_feed_forwards", tuple(id(a) for a in fused)),
                       lambda t: fusable_feed_forwards(t, linears))
-    ff_classes = [type(m) for m in ffs]
     saved = [a.processor for a in fused]
     try:
         for m in linears:
             m.__class__ = Fp8Linear
-        for m, cls in zip(ffs, ff_classes):
-            m.__class__ = _fp8_feed_forward_class(cls)
         for attn in fused:
             attn.processor = _FUSED
-        yield len(linears) + len(fused)
+        with mixed_in(ffs, Fp8FeedForwardMixin, "Fp8"):
+            yield len(linears) + len(fused)
     finally:
         for m in linears:
             m.__class__ = torch.nn.Linear
-        for m, cls in zip(ffs, ff_classes):
-            m.__class__ = cls
         for attn, proc in zip(fused, saved):
             attn.processor = proc

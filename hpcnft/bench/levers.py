@@ -26,11 +26,13 @@ def _parse_value(raw: str):
 
 
 def expand_levers(specs: list[str], dev, S: Shapes, flag: str = "--levers") -> list[dict]:
-    """--levers items -> one dict of config overrides per measurement. An item is 'all' (the
-    standard sweep) or KEY=VALUE[,KEY=VALUE...]; a KEY without a dot is a perf.* key."""
+    """--levers (or --variant) items -> one dict of config overrides per measurement. An item is
+    KEY=VALUE[,KEY=VALUE...], a KEY without a dot being a perf.* key, or, for --levers, 'all'
+    (the standard sweep on top of hpcnft default)."""
+    sweep = flag == "--levers"
     out = []
     for spec in specs or []:
-        if spec == "all":
+        if spec == "all" and sweep:
             for lever in LEVER_SWEEP:
                 lever = dict(lever)
                 if dev.type != "cuda" and set(lever) & set(CUDA_ONLY_KEYS()):
@@ -47,7 +49,7 @@ def expand_levers(specs: list[str], dev, S: Shapes, flag: str = "--levers") -> l
         for item in spec.split(","):
             if "=" not in item:
                 raise UsageError(f"{flag} {spec!r}: expected KEY=VALUE[,KEY=VALUE...]"
-                                 + (" or 'all'" if flag == "--levers" else ""))
+                                 + (" or 'all'" if sweep else ""))
             k, raw = item.split("=", 1)
             k = k.strip()
             lever[k if "." in k else "perf." + k] = _parse_value(raw)

@@ -202,7 +202,8 @@ class Bench:
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
         # What the numerics levers cost, where the phases asked for use what they change: the
         # fp8 cost samples at the rollout shapes (on a GPU, compiles them); not for --phases train.
-        sampled, scored = bool({"rollout", "iteration"} & set(args.phases)), bool({"pickscore", "iteration"} & set(args.phases))
+        sampled = bool({"rollout", "iteration"} & set(args.phases))
+        scored = bool({"pickscore", "iteration"} & set(args.phases))
         if fast.cfg.perf.pickscore_preprocess == "device" and scored:  # four scorer calls: no budget check
             rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
             self.log(f"pickscore_preprocess=device vs PIL, |score difference|: {rec['pickscore_preprocess_cost']}")
@@ -275,23 +276,28 @@ class Bench:
     def run_variant(self, fast_over: dict, change: dict, fb: list, fm: list, extra: dict) -> None:
         """'hpcnft fast' with `change` on top, the same phases at the same batch sizes, in this
         process: what one change does to the fast stack, free of machine-to-machine variance."""
-        name = ",".join(f"{k}={_toml(v)}" for k, v in change.items())
+        name = _change_name(change)
         stack = HpcnftStack(f"variant:{name}", f"hpcnft fast + {name}", self.S, self.dev, {**fast_over, **change})
         rec = self.run_stack(stack, self.phases_for(stack, fb, fm), self.iteration_for("fast"), extra)
+        self.keep_change(stack, rec, "variant", name, "fast")
+
+    def keep_change(self, stack, rec: dict, kind: str, name: str, base: str) -> None:
+        """A stack measured with one change (kind "variant" on hpcnft fast, "lever" on hpcnft
+        default): out of the stacks, into doc[kind + "s"] with each phase's speed-up against the base."""
         self.doc["stacks"].pop(stack.key, None)
-        rec["variant"] = name
-        base = self.doc["stacks"]["hpcnft_fast"]["phases"]
+        rec[kind] = name
+        base_phases = self.doc["stacks"].get(f"hpcnft_{base}", {}).get("phases", {})
         for ph, m in rec["phases"].items():
-            if "s" in m and base.get(ph, {}).get("s"):
-                m["speedup_vs_fast"] = base[ph]["per_unit_s"] / m["per_unit_s"]
-        self.doc.setdefault("variants", []).append(rec)
+            if "s" in m and base_phases.get(ph, {}).get("s"):
+                m[f"speedup_vs_{base}"] = base_phases[ph]["per_unit_s"] / m["per_unit_s"]
+        self.doc.setdefault(kind + "s", []).append(rec)
         self.free(stack)
         self.save()
 
     def run_lever(self, lever: dict) -> None:
         """hpcnft default plus `lever` (one lever; compile comes with skip_single_rank_fsdp)."""
         S = self.S
-        name = ",".join(f"{k}={_toml(v)}" for k, v in lever.items())
+        name = _change_name(lever)
         stack = HpcnftStack(f"lever:{name}", f"hpcnft default + {name}", S, self.dev, lever)
         k, v = next(iter(lever.items()))
         b, mb = max(S.rollout_batches), max(S.micro_batches)
@@ -307,19 +313,14 @@ class Bench:
             phases = self.phases_for(stack, [], [mb], vae=False, pick=False)
         else:
             phases = self.phases_for(stack, [b], [mb], vae=False, pick=False)
-        rec = self.run_stack(stack, phases, False)
-        self.doc["stacks"].pop(stack.key, None)
-        rec["lever"] = name
-        base = self.doc["stacks"].get("hpcnft_default", {}).get("phases", {})
-        for ph, m in rec["phases"].items():
-            if "s" in m and base.get(ph, {}).get("s"):
-                m["speedup_vs_default"] = base[ph]["per_unit_s"] / m["per_unit_s"]
-        self.doc["levers"].append(rec)
-        self.free(stack)
-        self.save()
+        self.keep_change(stack, self.run_stack(stack, phases, False), "lever", name, "default")
 
 
 PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
+
+
+def _change_name(change: dict) -> str:
+    return ",".join(f"{k}={_toml(v)}" for k, v in change.items())
 
 
 def _phase_list(text: str) -> list[str]:
@@ -378,8 +379,6 @@ def main(name: str, args: argparse.Namespace) -> int:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if "all" in args.variants:
-        raise UsageError("--variant all: name the changes, KEY=VALUE[,KEY=VALUE...]")
     fast_over = fast_overrides(S, dev, args.overrides)
     for over in expand_levers(args.levers, dev, S) + [fast_over] + [
             {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:

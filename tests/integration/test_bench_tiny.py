@@ -137,3 +137,5 @@ def test_bench_variant_measures_fast_with_one_change_in_the_same_process(tmp_pat
                timeout=120)
     assert r.returncode == 2 and "--variant 'old_pass_batch': expected KEY=VALUE" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+    r = hpcnft("bench", "--shapes", "tiny", "--variant", "all", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert r.returncode == 2 and "--variant 'all': expected KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
