@@ -3,6 +3,7 @@ recipe's projections and non-zero B matrices, for tests of the LoRA paths."""
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpcnft import fast
 from hpcnft.tiny import TINY_TRANSFORMER
@@ -78,3 +79,17 @@ def gpu_policy(compiled: bool, *overrides: str):
     if compiled:
         fast.compile_blocks(tr)
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
+
+
+
+class RecordOps(TorchDispatchMode):
+    """Records the name of every aten (or custom) op run inside it ("aten::gelu",
+    "hpcnft::gelu_quantize_rows"), in order: `with RecordOps() as ops: ...`, then `ops.names`."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))

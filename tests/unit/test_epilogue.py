@@ -6,22 +6,9 @@ CUDA (tests/gpu/test_epilogue_gpu.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hpcnft import epilogue, fast, fp8
-from lora_tools import tiny_policy, tiny_velocity
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops a forward runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+from lora_tools import RecordOps, tiny_policy, tiny_velocity
 
 
 def _exact_gelu_policy(**perf):
@@ -46,17 +33,17 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
     policy = _exact_gelu_policy(merge_lora_nograd=True, fuse_qkv=True, gelu_epilogue=True)
     tr = policy.transformer
     classes = [type(m) for m in tr.modules()]
-    with _Ops() as outside:
+    with RecordOps() as outside:
         before = tiny_velocity(policy)
     with fast.nograd_weights(policy):
         gelus = epilogue.gelu_modules(tr)
         assert gelus and all(isinstance(m, epilogue.EpilogueGELUMixin) for m in gelus)
-        with _Ops() as inside:
+        with RecordOps() as inside:
             merged = tiny_velocity(policy)
-        with fp8.rollout_linears(tr), _Ops() as in_fp8:  # an fp8 first linear: diffusers' forward
+        with fp8.rollout_linears(tr), RecordOps() as in_fp8:  # an fp8 first linear: diffusers' forward
             tiny_velocity(policy)
-    assert "_addmm_activation" in inside.seen and "gelu" not in inside.seen
-    assert "_addmm_activation" not in outside.seen | in_fp8.seen and "gelu" in in_fp8.seen
+    assert "aten::_addmm_activation" in inside.names and "aten::gelu" not in inside.names
+    assert "aten::_addmm_activation" not in outside.names + in_fp8.names and "aten::gelu" in in_fp8.names
     assert [type(m) for m in tr.modules()] == classes
     torch.testing.assert_close(merged, before, rtol=1e-4, atol=1e-5)
     assert torch.equal(tiny_velocity(policy), before)
@@ -64,10 +51,10 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
 
 def test_only_where_the_ops_gelu_is_the_modules():
     policy = tiny_policy(merge_lora_nograd=True, gelu_epilogue=True)  # SD3's tanh GELU; the CPU op's is exact
-    with fast.nograd_weights(policy), _Ops() as ops:
+    with fast.nograd_weights(policy), RecordOps() as ops:
         assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
         tiny_velocity(policy)
-    assert "_addmm_activation" not in ops.seen and "gelu" in ops.seen
+    assert "aten::_addmm_activation" not in ops.names and "aten::gelu" in ops.names
 
 
 def test_off_by_default_and_never_where_gradients_flow():
@@ -78,12 +65,13 @@ def test_off_by_default_and_never_where_gradients_flow():
     x = torch.randn(2, 3, module.proj.in_features, requires_grad=True)
     with epilogue.feed_forwards(policy.transformer):
         assert isinstance(module, epilogue.EpilogueGELUMixin)
-        with _Ops() as ops:
+        with RecordOps() as ops:
             y = module(x)  # the op has no backward: diffusers' forward where x needs a gradient
         y.sum().backward()
-        with torch.no_grad(), _Ops() as nograd:
+        with torch.no_grad(), RecordOps() as nograd:
             module(x)
-    assert x.grad is not None and "_addmm_activation" not in ops.seen and "_addmm_activation" in nograd.seen
+    assert x.grad is not None and "aten::_addmm_activation" not in ops.names
+    assert "aten::_addmm_activation" in nograd.names
     assert not isinstance(module, epilogue.EpilogueGELUMixin)
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from hpcnft import fast, fp8, fused_qkv
 from hpcnft.config import load_config
-from lora_tools import move_adapters, tiny_lora_dit, tiny_policy, tiny_velocity
+from lora_tools import RecordOps, move_adapters, tiny_lora_dit, tiny_policy, tiny_velocity
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,17 +109,6 @@ def test_weights_of_one_shape_quantize_together_as_each_alone():
 
 
 def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.name())
-            return func(*args, **(kwargs or {}))
-
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     tr = policy.transformer
     ff = tr.transformer_blocks[0].ff
@@ -127,7 +116,7 @@ def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
     with torch.no_grad(), fast.nograd_weights(policy):
         with fp8.rollout_linears(tr):
             ffs = [m for m in tr.modules() if isinstance(m, fp8.Fp8FeedForwardMixin)]
-            with Ops() as ops:
+            with RecordOps() as ops:
                 fused = ff(x)
             # the same GEMMs with diffusers' GELU between them, hidden activation in fp32
             h = F.gelu(fp8.scaled_linear(x, getattr(ff.net[0].proj, fp8.WEIGHT), getattr(ff.net[0].proj, fp8.SCALE),
@@ -137,8 +126,8 @@ def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
     # every block's image and text feed-forward (the last block has no text one)
     n_blocks = len(tr.transformer_blocks)
     assert len(ffs) == 2 * n_blocks - 1 and not any(isinstance(m, fp8.Fp8FeedForwardMixin) for m in tr.modules())
-    assert "hpcnft::gelu_quantize_rows" in ops.seen and "aten::gelu" not in ops.seen
-    assert [o for o in ops.seen if o == "aten::_scaled_mm"] == ["aten::_scaled_mm"] * 2
+    assert "hpcnft::gelu_quantize_rows" in ops.names and "aten::gelu" not in ops.names
+    assert [o for o in ops.names if o == "aten::_scaled_mm"] == ["aten::_scaled_mm"] * 2
     torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-6)
     assert 0 < _rel(fused, plain) < 0.1  # one tiny feed-forward: e4m3's 2^-4 per input, twice
 
