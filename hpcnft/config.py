@@ -172,6 +172,7 @@ class PerfConfig:
     inductor_autotune: bool = False  # Inductor times a wider set of Triton configs, compiled in parallel
     gelu_epilogue: bool = False  # no-grad passes: feed-forward linear + tanh GELU as one GEMM (cuBLASLt epilogue)
     rollout_fp8: bool = False  # the rollout's DiT blocks multiply in fp8 (e4m3, row-wise scales)
+    v_old_fp8: bool = False  # the train step's v_old pass multiplies in fp8 too (the NFT loss's old velocity)
 
 
 @dataclass

@@ -20,12 +20,13 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
 | perf.inductor_autotune | Inductor compiles a wider set of block-size configs for each pointwise and reduction kernel it generates (`max_autotune_pointwise`; in parallel worker processes) and times them at the first call | as compile (kernel choice) |
 | perf.gelu_epilogue | the no-grad passes (rollout, v_old) compute each feed-forward's first linear and its tanh GELU as one GEMM with cuBLASLt's GELU epilogue (`hpcnft.epilogue`) | GELU of the fp32 accumulator, not of its fp16 rounding |
-| perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old, training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
+| perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old (but under perf.v_old_fp8), training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
+| perf.v_old_fp8 | the train step's v_old pass (no grad) multiplies in fp8 the same way; the trained forward, its backward and the KL reference keep their precision | fp8 rounding of the NFT loss's old velocity: `hpcnft bench` reports the cost in v_old, loss and gradient (`v_old_fp8_cost`); with pi_old == pi_theta the two branches no longer agree bit for bit |
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
 (skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
 pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8,
-gelu_epilogue)
+v_old_fp8, gelu_epilogue)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
 so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
 (the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under

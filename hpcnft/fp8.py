@@ -1,14 +1,15 @@
-"""perf.rollout_fp8: the rollout's DiT forwards with fp8 (e4m3) GEMMs.
+"""perf.rollout_fp8 and perf.v_old_fp8: the old policy's no-grad DiT forwards with fp8 (e4m3)
+GEMMs, in the rollout and in the train step's v_old pass.
 
-While `rollout_linears` is entered, every large linear of the DiT's transformer blocks (the
+While `blocks_in_fp8` is entered, every large linear of the DiT's transformer blocks (the
 attention projections, fused q/k/v included, and the feed-forwards) multiplies in fp8 through
 `torch._scaled_mm`: weights quantized once at entry with one scale per output channel,
 activations quantized per row (per token) at each call, products summed by the tensor cores'
 fast fp8 accumulation, rescaled and rounded to bf16 (what row-wise scaled GEMMs produce), then
 cast to the compute dtype. The modulation linears (one row per sample), the embedders and the
 final projection stay in half precision. Under FSDP2 each rank quantizes the gathered weights at
-entry. For the rollout only: v_old, the trained forward and evaluation keep their precision, so
-the NFT loss and the eval rewards are those of the fp16 model.
+entry. No-grad forwards only: the trained forward, its backward and evaluation keep their
+precision, so the gradients and the eval rewards are those of the half-precision model.
 
 Each feed-forward (linear, tanh GELU, linear) runs as fp8 GEMM, `gelu_quantize_rows` (bias,
 GELU and the per-row quantization of the hidden activation in one op; on CUDA one Triton pass
@@ -17,8 +18,8 @@ GEMM's bf16 output straight to the second GEMM's e4m3 input.
 
 Rounding: e4m3 keeps 3 mantissa bits, so each input carries up to 2^-4 relative error; summed
 over K products the errors largely average out, and the bf16 output adds 2^-9. `hpcnft bench`
-reports what it costs in velocity, latents and PickScore at the real shapes
-(`rollout_fp8_cost`).
+reports what each costs at the real shapes: the rollout's in velocity, latents and PickScore
+(`rollout_fp8_cost`), v_old's in v_old, the NFT loss and the gradient (`v_old_fp8_cost`).
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def supported(weight: torch.Tensor) -> bool:
 
 class Fp8Linear(torch.nn.Linear):
     """An nn.Linear whose forward runs on its fp8 buffers (the class is swapped in and out by
-    `rollout_linears`; the module keeps its own weight and bias untouched)."""
+    `blocks_in_fp8`; the module keeps its own weight and bias untouched)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scaled_linear(x, getattr(self, WEIGHT), getattr(self, SCALE), self.bias)
@@ -160,7 +161,7 @@ _FUSED = Fp8FusedQKVProcessor()
 
 class Fp8FeedForwardMixin:
     """Mixed into the class of a diffusers FeedForward (linear, tanh GELU, dropout, linear)
-    whose two linears are fp8, while `rollout_linears` is entered."""
+    whose two linears are fp8, while `blocks_in_fp8` is entered."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return feed_forward(hidden_states, self.net[0].proj, self.net[2])
@@ -186,9 +187,10 @@ def fusable_feed_forwards(transformer, fp8_linears) -> list:
 
 
 @contextlib.contextmanager
-def rollout_linears(transformer):
+def blocks_in_fp8(transformer, lever: str = "perf.rollout_fp8"):
     """While inside, the blocks' linears (and fused q/k/v) run in fp8 on weights quantized at
-    entry; on exit the classes and processors are put back (the weights are never changed)."""
+    entry; on exit the classes and processors are put back (the weights are never changed).
+    `lever` is the config key a GPU without fp8 GEMMs is told to turn off."""
     fused = [m for m in fused_qkv._attentions(transformer)
              if isinstance(getattr(m, "processor", None), fused_qkv.FusedQKVProcessor)
              and supported(getattr(m, fused_qkv.WEIGHT))]
@@ -201,8 +203,8 @@ def rollout_linears(transformer):
     device = next(transformer.parameters()).device
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
-        raise RuntimeError(f"perf.rollout_fp8: fp8 GEMMs need a GPU of compute capability 8.9 or newer "
-                           f"(this one: {major}.{minor}); set perf.rollout_fp8=false")
+        raise RuntimeError(f"{lever}: fp8 GEMMs need a GPU of compute capability 8.9 or newer "
+                           f"(this one: {major}.{minor}); set {lever}=false")
     # Under FSDP2 each rank keeps a whole fp8 copy (gathered here, collectively, at entry); the
     # blocks' all-gathers still run, but their half-precision weights go unused.
     entries = [(m, full_tensor(m.weight.detach()), "") for m in linears]

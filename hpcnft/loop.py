@@ -107,7 +107,7 @@ class TrainRank:
         noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
                                        pin=self.topo.device.type == "cuda")
         x0s, pes, pools, imgs, pending = [], [], [], [], []
-        with self.policy.rollout_weights():  # perf.rollout_fp8 applies here only
+        with self.policy.rollout_weights():  # perf.rollout_fp8 (evaluation keeps its precision)
             for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
                     x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise.result())

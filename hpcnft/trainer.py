@@ -148,30 +148,31 @@ class Policy:
 
     # -- old policy ----------------------------------------------------------------------
     @contextlib.contextmanager
-    def old_weights(self):
-        """Temporarily put pi_old's weights into the live parameters."""
+    def old_weights(self, fp8_gemms: str | None = None):
+        """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
+        of the lever that asks for it) the blocks' GEMMs multiply in fp8 (hpcnft.fp8)."""
+        from hpcnft import fp8
+
         with torch.no_grad():
             live = [_local(p).detach().clone() for p in self.trainable]
             for p, s in zip(self.trainable, self.shadow):
                 _local(p).copy_(s)
         try:
             with fast.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
-                yield
+                with fp8.blocks_in_fp8(self.transformer, fp8_gemms) if fp8_gemms else contextlib.nullcontext():
+                    yield
         finally:
             with torch.no_grad():
                 for p, x in zip(self.trainable, live):
                     _local(p).copy_(x)
 
-    @contextlib.contextmanager
     def rollout_weights(self):
-        """pi_old for the rollout: old_weights, with the blocks' GEMMs in fp8 under perf.rollout_fp8
-        (v_old, training and evaluation keep their precision)."""
-        from hpcnft import fp8
+        """pi_old for the rollout: old_weights, in fp8 under perf.rollout_fp8."""
+        return self.old_weights("perf.rollout_fp8" if fast.effective(self.cfg).rollout_fp8 else None)
 
-        fp8_gemms = fp8.rollout_linears(self.transformer) if fast.effective(self.cfg).rollout_fp8 \
-            else contextlib.nullcontext()
-        with self.old_weights(), fp8_gemms:
-            yield
+    def v_old_weights(self):
+        """pi_old for the train step's v_old pass: old_weights, in fp8 under perf.v_old_fp8."""
+        return self.old_weights("perf.v_old_fp8" if fast.effective(self.cfg).v_old_fp8 else None)
 
     @contextlib.contextmanager
     def base_weights(self):
@@ -291,8 +292,9 @@ class Trainer:
             mbs = [self._inputs(batch, sigmas, mb, eps[i * size:i * size + len(mb)])
                    for i, mb in enumerate(self._micro_batches(pairs, size))]
         # v_old (and the KL reference) for every micro-batch first, in the same composition as the
-        # trained forward: with pi_old == pi_theta the two branches then agree bit for bit.
-        with span("train/old_pass"), torch.no_grad(), policy.old_weights():
+        # trained forward: with pi_old == pi_theta and no lever that changes the no-grad passes'
+        # rounding, the two branches then agree bit for bit.
+        with span("train/old_pass"), torch.no_grad(), policy.v_old_weights():
             if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
                 v_old = fast.old_velocities(self, batch, mbs)
             else:

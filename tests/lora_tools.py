@@ -81,15 +81,17 @@ def gpu_policy(compiled: bool, *overrides: str):
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 
-
 class RecordOps(TorchDispatchMode):
     """Records the name of every aten (or custom) op run inside it ("aten::gelu",
-    "hpcnft::gelu_quantize_rows"), in order: `with RecordOps() as ops: ...`, then `ops.names`."""
+    "hpcnft::gelu_quantize_rows"), in order: `with RecordOps() as ops: ...`, then `ops.names`;
+    `ops.grad[i]` says whether grad mode was on when op i ran (off in no-grad passes)."""
 
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
+        self.grad: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.name())
+        self.grad.append(torch.is_grad_enabled())
         return func(*args, **(kwargs or {}))

@@ -202,8 +202,10 @@ class Bench:
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
         # What the numerics levers cost, where the phases asked for use what they change: the
         # fp8 cost samples at the rollout shapes (on a GPU, compiles them); not for --phases train.
+        # v_old's fp8 cost runs one micro-batch at the train shapes.
         sampled = bool({"rollout", "iteration"} & set(args.phases))
         scored = bool({"pickscore", "iteration"} & set(args.phases))
+        trained = bool({"train", "iteration"} & set(args.phases))
         if fast.cfg.perf.pickscore_preprocess == "device" and scored:  # four scorer calls: no budget check
             rec["pickscore_preprocess_cost"] = fast.preprocess_cost(S.samples)
             self.log(f"pickscore_preprocess=device vs PIL, |score difference|: {rec['pickscore_preprocess_cost']}")
@@ -211,6 +213,10 @@ class Bench:
         if fast.cfg.perf.rollout_fp8 and sampled and not self.over_budget():
             rec["rollout_fp8_cost"] = fast.rollout_fp8_cost(fast_b)
             self.log(f"rollout_fp8 vs {fast.cfg.train.precision} rollout: {rec['rollout_fp8_cost']}")
+            self.save()
+        if fast.cfg.perf.v_old_fp8 and trained and not self.over_budget():
+            rec["v_old_fp8_cost"] = fast.v_old_fp8_cost(fast_mb)
+            self.log(f"v_old_fp8 vs {fast.cfg.train.precision} v_old: {rec['v_old_fp8_cost']}")
             self.save()
         if args.profile:
             self.profile(fast, rec, max(fb), max(fm))

@@ -204,20 +204,63 @@ class HpcnftStack:
                 "pickscore_max_abs": float(diff.max()), "pickscore_mean_abs": float(diff.mean()),
                 "pickscore_mean_shift": float((s8 - s16).mean()), "pickscore_std": float(s16.std())}
 
-    def train_pairs(self, mb: int):
-        """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""
+    def _pair_batch(self, mb: int):
+        """A PairBatch of `mb` rollout samples (seeded), on the device as TrainRank.rollout leaves
+        them for Trainer.step."""
         torch = _torch()
         from hpcnft import nft
         from hpcnft.trainer import PairBatch
 
         self.policy
-        cfg = self.cfg
-        # on the device, as TrainRank.rollout leaves them for Trainer.step
         x0 = self._latent(mb, seed=7).to(self.dev)
         pe, pooled = (t.to(self.dev) for t in self._cond(mb, seed=8))
         adv = torch.randn(mb, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        batch = PairBatch(x0, pe, pooled, adv, nft.optimality_r(adv, cfg.nft.adv_clip_max), list(range(mb)),
-                          mb * TRAIN_K)
+        return PairBatch(x0, pe, pooled, adv, nft.optimality_r(adv, self.cfg.nft.adv_clip_max), list(range(mb)),
+                         mb * TRAIN_K)
+
+    def v_old_fp8_cost(self, mb: int) -> dict:
+        """What perf.v_old_fp8 costs: one micro-batch of `mb` pairs (sigmas across the grid),
+        v_old computed in fp8 and in the compute dtype, then the NFT loss and its gradient with
+        each against the same v_theta. v_old's error is given relative to v_old and to the
+        residual v_old - (eps - x0) the loss is made of (random weights: the residual of a
+        trained model is smaller, so that share is larger there)."""
+        torch = _torch()
+        from hpcnft.trainer import _local
+
+        policy, trainer, cfg = self.policy, self.trainer, self.cfg
+        batch = self._pair_batch(mb)
+        pairs = [(p, p % cfg.rollout.num_steps) for p in range(mb)]
+        eps = torch.randn(mb, *batch.x0.shape[1:], generator=torch.Generator().manual_seed(10))
+        m = trainer._inputs(batch, self.sigmas, pairs, eps)
+        scale = trainer.scaler.scale
+        out, saved = {}, cfg.perf.v_old_fp8
+        try:
+            for fp8 in (True, False):
+                cfg.perf.v_old_fp8 = fp8
+                with torch.no_grad(), policy.v_old_weights():
+                    v_old = trainer._forward(m.x_sigma, m.sigma, batch, m.index).float()
+                for p in policy.trainable:
+                    p.grad = None
+                sums, _ = trainer._micro_batch(batch, m, v_old, None, 1.0 / mb, scale)
+                grad = torch.cat([_local(p.grad).float().flatten() / scale for p in policy.trainable
+                                  if p.grad is not None])
+                out[fp8] = (v_old, float(sums[0]) / mb, grad)
+        finally:
+            cfg.perf.v_old_fp8 = saved
+            for p in policy.trainable:
+                p.grad = None
+        (v8, loss8, g8), (v16, loss16, g16) = out[True], out[False]
+        residual = v16 - (eps.to(v16.device) - m.x0.float())
+        return {"n": mb, "v_old_rel_error": float((v8 - v16).norm() / v16.norm()),
+                "v_old_error_vs_residual": float((v8 - v16).norm() / residual.norm()),
+                "loss_rel_error": abs(loss8 - loss16) / abs(loss16),
+                "grad_cosine": float(torch.nn.functional.cosine_similarity(g8, g16, dim=0)),
+                "grad_norm_ratio": float(g8.norm() / g16.norm()),
+                "grad_rel_error": float((g8 - g16).norm() / g16.norm())}
+
+    def train_pairs(self, mb: int):
+        """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""
+        cfg, batch = self.cfg, self._pair_batch(mb)
 
         @contextlib.contextmanager
         def ctx():

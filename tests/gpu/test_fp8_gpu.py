@@ -29,7 +29,7 @@ def test_fp8_rollout_forward_on_the_gpu(compiled):
     for _ in range(2):  # two rollouts: the second must reuse what the first compiled
         with fast.nograd_weights(policy):
             half = tiny_velocity(policy, "cuda")
-            with fp8.rollout_linears(policy.transformer) as n:
+            with fp8.blocks_in_fp8(policy.transformer) as n:
                 in_fp8 = tiny_velocity(policy, "cuda")
         outs.append((half, in_fp8, graphs["unique_graphs"]))
     (half, in_fp8, first), (half2, in_fp8_2, second) = outs

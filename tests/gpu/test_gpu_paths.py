@@ -72,7 +72,9 @@ TINY_FP16 = ["tiny_fp16", "--set", "layout.train_ranks=1", "--set", "layout.rewa
 DETERMINISTIC_LEVERS = ["--set", "perf.skip_single_rank_fsdp=true", "--set", "perf.merge_lora_nograd=true",
                         "--set", "perf.old_pass_batch=16", "--set", "perf.vae_channels_last=true",
                         "--set", "perf.fuse_qkv=true", "--set", "perf.fused_lora=true",
-                        "--set", "perf.pickscore_preprocess=\"device\"", "--set", "perf.overlap_reward=true"]
+                        "--set", "perf.pickscore_preprocess=\"device\"", "--set", "perf.overlap_reward=true",
+                        "--set", "perf.rollout_fp8=true", "--set", "perf.v_old_fp8=true",
+                        "--set", "perf.gelu_epilogue=true"]
 
 
 @pytest.mark.parametrize("levers", ["off", "deterministic"])

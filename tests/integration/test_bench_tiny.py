@@ -103,12 +103,17 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     assert "pickscore_preprocess_cost" in doc["stacks"]["hpcnft_fast"]  # the iteration scores
 
     r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train", "--own-shapes", "--json", out,
-               "--set", "perf.rollout_fp8=true", env={"CUDA_VISIBLE_DEVICES": ""})
+               "--set", "perf.rollout_fp8=true", "--set", "perf.v_old_fp8=true", env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     fast = json.loads(out.read_text())["stacks"]["hpcnft_fast"]
     assert set(fast["phases"]) == {"train_pair_mb8"}  # FAST's micro-batch at the tiny shapes, not also the eager 4
     # nothing sampled or scored: neither lever's cost is measured (the fp8 one compiles the rollout on a GPU)
     assert "rollout_fp8_cost" not in fast and "pickscore_preprocess_cost" not in fast
+    # trained: v_old's fp8 cost is, on one micro-batch — small, not nothing
+    cost = fast["v_old_fp8_cost"]
+    assert cost["n"] == 8 and 0 < cost["v_old_rel_error"] < 0.05 and 0 < cost["v_old_error_vs_residual"] < 0.05
+    assert 0 < cost["loss_rel_error"] < 0.01 and 0.9 < cost["grad_cosine"] < 1 and 0 < cost["grad_rel_error"] < 0.5
+    assert "v_old_fp8 vs fp32 v_old" in r.stderr + r.stdout
 
     r = hpcnft("bench", "--shapes", "tiny", "--phases", "rollout,decode", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr

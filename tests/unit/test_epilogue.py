@@ -40,7 +40,7 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
         assert gelus and all(isinstance(m, epilogue.EpilogueGELUMixin) for m in gelus)
         with RecordOps() as inside:
             merged = tiny_velocity(policy)
-        with fp8.rollout_linears(tr), RecordOps() as in_fp8:  # an fp8 first linear: diffusers' forward
+        with fp8.blocks_in_fp8(tr), RecordOps() as in_fp8:  # an fp8 first linear: diffusers' forward
             tiny_velocity(policy)
     assert "aten::_addmm_activation" in inside.names and "aten::gelu" not in inside.names
     assert "aten::_addmm_activation" not in outside.names + in_fp8.names and "aten::gelu" in in_fp8.names

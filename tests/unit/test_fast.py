@@ -8,6 +8,7 @@ import torch
 from hpcnft import fast
 from hpcnft.bench.shapes import _MESH, tiny_shapes
 from hpcnft.bench.stack import HpcnftStack
+from lora_tools import RecordOps
 
 
 @pytest.fixture
@@ -40,6 +41,24 @@ def _train_metrics(stack, seed_b: bool = True):
     with ctx():
         fn()
     return stack.last_metrics
+
+
+def test_v_old_fp8_multiplies_the_v_old_pass_in_fp8_and_nothing_else(stacks):
+    """With pi_old == pi_theta (one step from the same weights) the positive and negative
+    branches agree bit for bit; with v_old in fp8 they differ by its rounding, and every fp8
+    GEMM of the step ran without grad (the trained forward and its backward keep fp32)."""
+    runs = {}
+    for on in (False, True):
+        s = stacks({"perf.skip_single_rank_fsdp": True, "perf.v_old_fp8": on})
+        with RecordOps() as ops:
+            metrics = _train_metrics(s)
+        runs[on] = metrics, [g for name, g in zip(ops.names, ops.grad) if name == "aten::_scaled_mm"]
+    (plain, plain_fp8_ops), (fp8_m, fp8_ops) = runs[False], runs[True]
+    assert plain_fp8_ops == [] and fp8_ops and not any(fp8_ops)
+    assert plain["train/nft_pos_loss"] == plain["train/nft_neg_loss"]
+    assert fp8_m["train/nft_pos_loss"] != fp8_m["train/nft_neg_loss"]
+    for key in ("train/nft_pos_loss", "train/nft_neg_loss", "train/nft_loss", "train/grad_norm"):
+        assert fp8_m[key] == pytest.approx(plain[key], rel=0.05), key
 
 
 def test_skip_single_rank_fsdp_is_bit_for_bit(stacks):

@@ -50,7 +50,7 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
     with fast.nograd_weights(policy):
         merged = tiny_velocity(policy)
         procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
-        with fp8.rollout_linears(tr) as n:
+        with fp8.blocks_in_fp8(tr) as n:
             kinds = {type(m) for m in tr.transformer_blocks.modules()}
             in_fp8 = tiny_velocity(policy)
             fused = [m for m in tr.modules() if isinstance(getattr(m, "processor", None), fp8.Fp8FusedQKVProcessor)]
@@ -69,12 +69,12 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
 
 def test_fp8_weights_follow_the_weights_at_entry():
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
-    with fast.nograd_weights(policy), fp8.rollout_linears(policy.transformer):
+    with fast.nograd_weights(policy), fp8.blocks_in_fp8(policy.transformer):
         first = tiny_velocity(policy)
     move_adapters(policy.transformer)
     with fast.nograd_weights(policy):
         merged = tiny_velocity(policy)
-        with fp8.rollout_linears(policy.transformer):
+        with fp8.blocks_in_fp8(policy.transformer):
             second = tiny_velocity(policy)
     assert _rel(second, merged) < 0.25 * _rel(first, merged)  # quantized from the new weights
 
@@ -114,7 +114,7 @@ def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
     ff = tr.transformer_blocks[0].ff
     x = torch.randn(2, 9, ff.net[0].proj.in_features, generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), fast.nograd_weights(policy):
-        with fp8.rollout_linears(tr):
+        with fp8.blocks_in_fp8(tr):
             ffs = [m for m in tr.modules() if isinstance(m, fp8.Fp8FeedForwardMixin)]
             with RecordOps() as ops:
                 fused = ff(x)
