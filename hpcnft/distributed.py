@@ -92,8 +92,23 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+class RendezvousError(RuntimeError):
+    """The ranks could not meet at the master address and port."""
+
+
+def rendezvous_error(e: BaseException, info: LaunchInfo) -> RendezvousError:
+    """One line for a failed init_process_group: where, why, and the fix when the port is taken."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    where = f"{info.master_addr}:{info.master_port}"
+    if "EADDRINUSE" in first or "address already in use" in first.lower():
+        return RendezvousError(f"rank {info.rank} cannot listen on {where}: the port is taken on this node; "
+                               f"set MASTER_PORT to a free port for this job")
+    return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}: {first}")
+
+
 def setup(cfg: Config, info: LaunchInfo):
-    """Initialise torch.distributed; returns (topology, train group, train mesh)."""
+    """Initialise torch.distributed; returns (topology, train group, train mesh). A rendezvous
+    that fails (the port taken, the master unreachable) raises RendezvousError with one line."""
     from torch.distributed.device_mesh import DeviceMesh
 
     device = pick_device(cfg, info.local_rank)
@@ -101,8 +116,11 @@ def setup(cfg: Config, info: LaunchInfo):
     train, reward = roles(info.world_size, cfg.layout.reward_ranks)
     timeout = datetime.timedelta(seconds=cfg.layout.timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
-                            world_size=info.world_size, timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
+    except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
+        raise rendezvous_error(e, info) from e
     topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,
                     info.job_id, info.restart_count)
     everyone: list = [None] * info.world_size

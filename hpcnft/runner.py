@@ -300,7 +300,11 @@ def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> 
     except BAD_INPUT as e:
         print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
-    topo, group, mesh = distributed.setup(cfg, info)
+    try:
+        topo, group, mesh = distributed.setup(cfg, info)
+    except distributed.RendezvousError as e:
+        print_err(str(e))
+        return EXIT_FAILED
     agree_run_dir(cfg, recipe, topo)
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,

@@ -356,3 +356,17 @@ def test_job_port_stable_and_in_range():
     assert 1000 <= job_port("98765", base=1000, span=500) < 1500
     with pytest.raises(ValueError):
         job_port("1", base=60000, span=10000)
+
+
+def test_a_failed_rendezvous_is_one_line_with_the_fix_when_the_port_is_taken():
+    from hpcnft.distributed import rendezvous_error
+
+    info = detect({"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "node7", "MASTER_PORT": "20042"})
+    taken = RuntimeError("The server socket has failed to listen on any local network address. port: 20042, "
+                         "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"
+                         "Exception raised from makeWithPort at socket.cpp:1015")
+    assert str(rendezvous_error(taken, info)) == ("rank 1 cannot listen on node7:20042: the port is taken on this "
+                                                  "node; set MASTER_PORT to a free port for this job")
+    late = RuntimeError("Timed out after 1801 seconds waiting for clients. 2/3 clients joined.\nmore detail")
+    assert str(rendezvous_error(late, info)) == ("rank 1 cannot rendezvous at node7:20042: Timed out after 1801 "
+                                                 "seconds waiting for clients. 2/3 clients joined.")

@@ -1,0 +1,27 @@
+"""A rank that cannot rendezvous ends the job with one line naming the address and the fix, not
+a traceback: here rank 0's master port is already taken on the node (a derived job port can
+collide with any process there)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "TORCHELASTIC_")
+
+
+def test_a_taken_master_port_is_one_line_naming_the_fix(tmp_path, hpcnft_cache):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as blocker:
+        blocker.bind(("", 0))  # every IPv4 interface, as the TCPStore binds
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", "1", "--run-dir",
+                            str(tmp_path / "run"), "--set", "layout.train_ranks=1", "--set", "layout.reward_ranks=0"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[-1] == (f"hpcnft: rank 0 cannot listen on 127.0.0.1:{port}: the port is taken on this node; "
+                         f"set MASTER_PORT to a free port for this job"), r.stderr[-3000:]
