@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
-
 
 @triton.autotune(configs=[triton.Config({}, num_warps=w) for w in (4, 8, 16)], key=["n_cols"])
 @triton.jit
@@ -30,7 +28,7 @@ def _gelu_quantize_rows(h_ptr, bias_ptr, q_ptr, scale_ptr, n_cols, h_stride, q_s
         h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     g = h * tl.sigmoid(1.5957691216057308 * (h + 0.044715 * h * h * h))
     g = tl.where(mask, g, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(g), axis=0), 1e-12) / 448.0
+    scale = tl.maximum(tl.max(tl.abs(g), axis=0), 1e-12) / 448.0  # 448: e4m3's largest value (fp8.E4M3_MAX)
     q = tl.clamp(g / scale, -448.0, 448.0)
     tl.store(q_ptr + row * q_stride + cols, q.to(tl.float8e4nv), mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -182,20 +182,16 @@ class HpcnftStack:
         noise = self._latent(n, seed=11).to(self.dev)
         pe, pooled = (t.to(self.dev) for t in self._cond(n, seed=12))
         prompts = prompt_list(n)
-        out, saved = {}, cfg.perf.rollout_fp8
-        try:
-            for fp8 in (True, False):
-                cfg.perf.rollout_fp8 = fp8
-                with policy.rollout_weights():
-                    with torch.no_grad(), policy.autocast():
-                        v = velocity(policy.transformer, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled,
-                                     policy.compute_dtype).float()
-                    x0 = euler_sample(policy.transformer, noise, self.sigmas, Conditioning(pe, pooled),
-                                      cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast)
-                images = decode_to_uint8(self.vae, x0, cfg.rollout.uint8_rounding)
-                out[fp8] = (v, x0.float(), self.scorer(prompts, images).double(), images)
-        finally:
-            cfg.perf.rollout_fp8 = saved
+        out = {}
+        for fp8 in (True, False):
+            with policy.old_weights("perf.rollout_fp8" if fp8 else None):  # rollout_weights, both ways
+                with torch.no_grad(), policy.autocast():
+                    v = velocity(policy.transformer, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled,
+                                 policy.compute_dtype).float()
+                x0 = euler_sample(policy.transformer, noise, self.sigmas, Conditioning(pe, pooled),
+                                  cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast)
+            images = decode_to_uint8(self.vae, x0, cfg.rollout.uint8_rounding)
+            out[fp8] = (v, x0.float(), self.scorer(prompts, images).double(), images)
         (v8, x8, s8, i8), (v16, x16, s16, i16) = out[True], out[False]
         rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
         diff = (s8 - s16).abs()
@@ -233,11 +229,10 @@ class HpcnftStack:
         eps = torch.randn(mb, *batch.x0.shape[1:], generator=torch.Generator().manual_seed(10))
         m = trainer._inputs(batch, self.sigmas, pairs, eps)
         scale = trainer.scaler.scale
-        out, saved = {}, cfg.perf.v_old_fp8
+        out = {}
         try:
             for fp8 in (True, False):
-                cfg.perf.v_old_fp8 = fp8
-                with torch.no_grad(), policy.v_old_weights():
+                with torch.no_grad(), policy.old_weights("perf.v_old_fp8" if fp8 else None):  # v_old_weights, both ways
                     v_old = trainer._forward(m.x_sigma, m.sigma, batch, m.index).float()
                 for p in policy.trainable:
                     p.grad = None
@@ -246,7 +241,6 @@ class HpcnftStack:
                                   if p.grad is not None])
                 out[fp8] = (v_old, float(sums[0]) / mb, grad)
         finally:
-            cfg.perf.v_old_fp8 = saved
             for p in policy.trainable:
                 p.grad = None
         (v8, loss8, g8), (v16, loss16, g16) = out[True], out[False]

@@ -91,7 +91,7 @@ def test_bench_bad_lever_is_usage_error():
 def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     out, prof = tmp_path / "bench.json", tmp_path / "prof"
     r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--no-default", "--phases", "vae,iteration", "--own-shapes",
-               "--profile", prof, "--json", out, env={"CUDA_VISIBLE_DEVICES": ""})
+               "--profile", prof, "--json", out, "--set", "perf.rollout_fp8=true", env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert not doc["errors"] and not doc["skipped"], doc
@@ -101,6 +101,10 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     assert set(doc["stacks"]["hpcnft_fast"]["profile"]) == {"iteration"}
     assert "speedup_vs_eager" in doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]
     assert "pickscore_preprocess_cost" in doc["stacks"]["hpcnft_fast"]  # the iteration scores
+    # and samples: the fp8 rollout's cost, small and not nothing
+    cost = doc["stacks"]["hpcnft_fast"]["rollout_fp8_cost"]
+    assert 0 < cost["velocity_rel_error"] < 0.05 and 0 < cost["latent_rel_error"] < 0.05
+    assert cost["pickscore_max_abs"] < cost["pickscore_std"]
 
     r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train", "--own-shapes", "--json", out,
                "--set", "perf.rollout_fp8=true", "--set", "perf.v_old_fp8=true", env={"CUDA_VISIBLE_DEVICES": ""})
