@@ -170,7 +170,6 @@ class PerfConfig:
     cudnn_benchmark: bool = False  # cuDNN picks convolution algorithms by timing (VAE)
     inductor_tuning: bool = False  # Inductor times block sizes of its Triton kernels (compile_blocks, compile_vae)
     inductor_autotune: bool = False  # Inductor times a wider set of Triton configs, compiled in parallel
-    inductor_gemm_autotune: bool = False  # Inductor times Triton GEMM templates against cuBLAS, epilogues fused in
     gelu_epilogue: bool = False  # no-grad passes: feed-forward linear + tanh GELU as one GEMM (cuBLASLt epilogue)
     rollout_fp8: bool = False  # the rollout's DiT blocks multiply in fp8 (e4m3, row-wise scales)
     v_old_fp8: bool = False  # the train step's v_old pass multiplies in fp8 too (the NFT loss's old velocity)

@@ -19,7 +19,6 @@ every lever off the package runs exactly as before (same code path, same numeric
 | perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
 | perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
 | perf.inductor_autotune | Inductor compiles a wider set of block-size configs for each pointwise and reduction kernel it generates (`max_autotune_pointwise`; in parallel worker processes) and times them at the first call | as compile (kernel choice) |
-| perf.inductor_gemm_autotune | Inductor times each GEMM shape of the compiled graphs as cuBLAS and as its own Triton templates (persistent TMA ones on Hopper) at the first call, and fuses the pointwise work after a GEMM into a Triton template's epilogue where that is faster (`max_autotune_gemm`) | as compile (kernel choice) |
 | perf.gelu_epilogue | the no-grad passes (rollout, v_old) compute each feed-forward's first linear and its tanh GELU as one GEMM with cuBLASLt's GELU epilogue (`hpcnft.epilogue`) | GELU of the fp32 accumulator, not of its fp16 rounding |
 | perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `hpcnft.fp8`); v_old (but under perf.v_old_fp8), training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
 | perf.v_old_fp8 | the train step's v_old pass (no grad) multiplies in fp8 the same way; the trained forward, its backward and the KL reference keep their precision | fp8 rounding of the NFT loss's old velocity: `hpcnft bench` reports the cost in v_old, loss and gradient (`v_old_fp8_cost`); with pi_old == pi_theta the two branches no longer agree bit for bit |
@@ -69,8 +68,7 @@ FAST = {
 }
 CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend", "perf.compile_vae", "perf.cudnn_benchmark")
 DETERMINISM_OFF = {"compile_blocks": False, "compile_vae": False, "cudnn_benchmark": False,
-                   "attention_backend": "default", "inductor_tuning": False, "inductor_autotune": False,
-                   "inductor_gemm_autotune": False}
+                   "attention_backend": "default", "inductor_tuning": False, "inductor_autotune": False}
 
 _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
              "math": "MATH"}
@@ -158,17 +156,11 @@ def inductor_options(perf) -> None:
     searches each generated Triton kernel's block sizes and warps by timing, one variant after
     another (coordinate descent; slow to compile). perf.inductor_autotune: it compiles a wider
     fixed set of configs per pointwise and reduction kernel, in parallel worker processes, and
-    times them at the first call. Either instead of its heuristic pick. perf.inductor_gemm_autotune:
-    each matrix product of a compiled graph is timed, per shape, as cuBLAS's and as Inductor's
-    Triton GEMM templates (with Hopper's persistent TMA ones), and the pointwise work after it
-    (GELU, LoRA adds, gates) is fused into a Triton template's epilogue where timing says that wins."""
+    times them at the first call. Either instead of its heuristic pick."""
     import torch._inductor.config as inductor
 
     inductor.coordinate_descent_tuning = bool(perf.inductor_tuning)
     inductor.max_autotune_pointwise = bool(perf.inductor_autotune)
-    inductor.max_autotune_gemm = bool(perf.inductor_gemm_autotune)
-    if hasattr(inductor.triton, "enable_persistent_tma_matmul"):  # not in every PyTorch release
-        inductor.triton.enable_persistent_tma_matmul = bool(perf.inductor_gemm_autotune)
 
 
 def compile_blocks(transformer) -> None:

@@ -125,31 +125,25 @@ def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
 
 
 @pytest.mark.parametrize("key,option", [("inductor_tuning", "coordinate_descent_tuning"),
-                                        ("inductor_autotune", "max_autotune_pointwise"),
-                                        ("inductor_gemm_autotune", "max_autotune_gemm")])
+                                        ("inductor_autotune", "max_autotune_pointwise")])
 def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode(key, option):
     import torch._inductor.config as inductor
     from hpcnft.config import Config
 
     cfg = Config()
     cfg.determinism.enabled = False
-    saved = {o: getattr(inductor, o) for o in ("coordinate_descent_tuning", "max_autotune_pointwise",
-                                               "max_autotune_gemm")}
-    saved_tma = inductor.triton.enable_persistent_tma_matmul
+    saved = {o: getattr(inductor, o) for o in ("coordinate_descent_tuning", "max_autotune_pointwise")}
     try:
         for on in (True, False):
             cfg.perf = dataclasses.replace(cfg.perf, **{key: on})
             fast.inductor_options(fast.effective(cfg))
             assert getattr(inductor, option) is on
-            assert not any(getattr(inductor, o) for o in saved if o != option)  # the other levers stay off
-            # Hopper's persistent TMA GEMM templates are among the timed choices with the GEMM lever only
-            assert inductor.triton.enable_persistent_tma_matmul is (on and key == "inductor_gemm_autotune")
+            assert not any(getattr(inductor, o) for o in saved if o != option)  # the other lever stays off
         cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, **{key: True}), True
         assert not getattr(fast.effective(cfg), key)
     finally:
         for o, v in saved.items():
             setattr(inductor, o, v)
-        inductor.triton.enable_persistent_tma_matmul = saved_tma
 
 
 def test_compiled_blocks_step_aside_under_a_dispatch_mode():
