@@ -17,6 +17,29 @@ def _toml(v) -> str:
     return str(v)
 
 
+@contextlib.contextmanager
+def fp32_arithmetic(module):
+    """While inside, `module` computes in fp32: its half-precision parameters and buffers upcast
+    (exactly) to fp32, no TF32, compiled code bypassed (eager); all put back on exit."""
+    torch = _torch()
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())
+               if t.is_floating_point() and t.dtype != torch.float32]
+    saved = [t.data for t in tensors]
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        for t in tensors:
+            t.data = t.data.float()
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        for t, d in zip(tensors, saved):
+            t.data = d
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
 def bench_config(S: Shapes, dev, overrides: dict):
     """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides."""
     from hpcnft.config import ConfigError, load_config
@@ -219,8 +242,11 @@ class HpcnftStack:
         v_old computed in fp8 and in the compute dtype, then the NFT loss and its gradient with
         each against the same v_theta. v_old's error is given relative to v_old and to the
         residual v_old - (eps - x0) the loss is made of (random weights: the residual of a
-        trained model is smaller, so that share is larger there)."""
+        trained model is smaller, so that share is larger there). With a half-precision compute
+        dtype, `vs_fp32` puts both against v_old in fp32 arithmetic over the same weights: the
+        scale of what the compute dtype's own rounding already costs."""
         torch = _torch()
+        from hpcnft.sampler import velocity
         from hpcnft.trainer import _local
 
         policy, trainer, cfg = self.policy, self.trainer, self.cfg
@@ -229,28 +255,41 @@ class HpcnftStack:
         eps = torch.randn(mb, *batch.x0.shape[1:], generator=torch.Generator().manual_seed(10))
         m = trainer._inputs(batch, self.sigmas, pairs, eps)
         scale = trainer.scaler.scale
+        half = policy.compute_dtype != torch.float32
         out = {}
         try:
-            for fp8 in (True, False):
-                with torch.no_grad(), policy.old_weights("perf.v_old_fp8" if fp8 else None):  # v_old_weights, both ways
-                    v_old = trainer._forward(m.x_sigma, m.sigma, batch, m.index).float()
+            for how in ("fp8", "compute") + (("fp32",) if half else ()):
+                with torch.no_grad(), policy.old_weights("perf.v_old_fp8" if how == "fp8" else None):
+                    if how == "fp32":
+                        with fp32_arithmetic(policy.transformer):
+                            v_old = velocity(policy.transformer, m.x_sigma, m.sigma, batch.prompt_embeds[m.index],
+                                             batch.pooled[m.index], torch.float32).float()
+                    else:
+                        v_old = trainer._forward(m.x_sigma, m.sigma, batch, m.index).float()
                 for p in policy.trainable:
                     p.grad = None
                 sums, _ = trainer._micro_batch(batch, m, v_old, None, 1.0 / mb, scale)
                 grad = torch.cat([_local(p.grad).float().flatten() / scale for p in policy.trainable
                                   if p.grad is not None])
-                out[fp8] = (v_old, float(sums[0]) / mb, grad)
+                out[how] = (v_old, float(sums[0]) / mb, grad)
         finally:
             for p in policy.trainable:
                 p.grad = None
-        (v8, loss8, g8), (v16, loss16, g16) = out[True], out[False]
+        (v8, loss8, g8), (v16, loss16, g16) = out["fp8"], out["compute"]
         residual = v16 - (eps.to(v16.device) - m.x0.float())
-        return {"n": mb, "v_old_rel_error": float((v8 - v16).norm() / v16.norm()),
+        cost = {"n": mb, "v_old_rel_error": float((v8 - v16).norm() / v16.norm()),
                 "v_old_error_vs_residual": float((v8 - v16).norm() / residual.norm()),
                 "loss_rel_error": abs(loss8 - loss16) / abs(loss16),
                 "grad_cosine": float(torch.nn.functional.cosine_similarity(g8, g16, dim=0)),
                 "grad_norm_ratio": float(g8.norm() / g16.norm()),
                 "grad_rel_error": float((g8 - g16).norm() / g16.norm())}
+        if half:
+            v32, _, g32 = out["fp32"]
+            cost["vs_fp32"] = {name: {"v_old_rel_error": float((v - v32).norm() / v32.norm()),
+                                      "grad_rel_error": float((g - g32).norm() / g32.norm()),
+                                      "grad_cosine": float(torch.nn.functional.cosine_similarity(g, g32, dim=0))}
+                               for name, (v, _, g) in (("fp8", out["fp8"]), (cfg.train.precision, out["compute"]))}
+        return cost
 
     def train_pairs(self, mb: int):
         """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""

@@ -118,6 +118,19 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     assert cost["n"] == 8 and 0 < cost["v_old_rel_error"] < 0.05 and 0 < cost["v_old_error_vs_residual"] < 0.05
     assert 0 < cost["loss_rel_error"] < 0.01 and 0.9 < cost["grad_cosine"] < 1 and 0 < cost["grad_rel_error"] < 0.5
     assert "v_old_fp8 vs fp32 v_old" in r.stderr + r.stdout
+    assert "vs_fp32" not in cost  # fp32 compute: the compute-dtype pass is the fp32 reference
+
+    # fp16 compute (autocast on the CPU too): both v_old passes also against fp32 arithmetic over
+    # the same weights; fp16's own rounding is the smaller of the two
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train", "--own-shapes", "--json", out,
+               "--set", "perf.v_old_fp8=true", "--set", "train.precision=fp16", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    cost = json.loads(out.read_text())["stacks"]["hpcnft_fast"]["v_old_fp8_cost"]
+    ref = cost["vs_fp32"]
+    assert set(ref) == {"fp8", "fp16"}
+    assert 0 < ref["fp16"]["v_old_rel_error"] < ref["fp8"]["v_old_rel_error"] < 0.05
+    assert 0 < ref["fp16"]["grad_rel_error"] < ref["fp8"]["grad_rel_error"] < 0.5
+    assert 0.9 < ref["fp8"]["grad_cosine"] <= ref["fp16"]["grad_cosine"] <= 1
 
     r = hpcnft("bench", "--shapes", "tiny", "--phases", "rollout,decode", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -154,3 +154,43 @@ def test_no_kernels_no_gaps():
     from hpcnft.bench.profiling import idle_gaps
 
     assert idle_gaps([], [(0.0, 1.0, "hpcnft/x")])["gaps"] == 0
+
+
+def test_fp32_arithmetic_upcasts_a_half_module_exactly_and_puts_it_back():
+    from hpcnft.bench.stack import fp32_arithmetic
+
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(16, 8).half()
+    lin.register_buffer("fused", torch.randn(4, generator=g).half(), persistent=False)
+    lin.bias.requires_grad_(False)
+    originals = {n: (t, t.data.clone(), t.data_ptr()) for n, t in
+                 list(lin.named_parameters()) + list(lin.named_buffers())}
+    x = torch.randn(3, 16, generator=g)
+    precision = torch.get_float32_matmul_precision()
+    with fp32_arithmetic(lin):
+        assert all(t.dtype == torch.float32 for t in list(lin.parameters()) + list(lin.buffers()))
+        assert all(torch.equal(t.data, data.float()) for t, data, _ in originals.values())  # exact upcast
+        assert torch.get_float32_matmul_precision() == "highest"
+        y = lin(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ originals["weight"][1].float().t() + originals["bias"][1].float(),
+                               rtol=0, atol=1e-6)
+    for name, (t, data, ptr) in originals.items():  # the same storage, the same bits, the same dtype
+        assert t.dtype == torch.float16 and t.data_ptr() == ptr and torch.equal(t.data, data), name
+    assert lin.weight.requires_grad and not lin.bias.requires_grad
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_fp32_arithmetic_runs_compiled_code_eagerly():
+    """The fp32 reference must not compile the real DiT's blocks a second time, for fp32."""
+    import torch._dynamo
+    from hpcnft.bench.stack import fp32_arithmetic
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    graphs = torch._dynamo.utils.counters["stats"]
+    with fp32_arithmetic(torch.nn.Linear(2, 2).half()):
+        assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+        assert graphs["unique_graphs"] == 0
+    double(torch.ones(3))
+    assert graphs["unique_graphs"] == 1  # outside, compiled as usual
