@@ -6,6 +6,6 @@ __version__ = "0.1.0"
 
 def submit(*args, **kwargs):
     """Submit a run through submitit and return the submitit job (see hpcnft.submit_job)."""
-    from hpcnft.submit_job import submit as _submit
+    from hpcnft.run.submit import submit as _submit
 
     return _submit(*args, **kwargs)

@@ -1,5 +1,5 @@
 import sys
 
-from hpcnft.cli import main
+from hpcnft.cli.main import main
 
 sys.exit(main())

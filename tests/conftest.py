@@ -18,7 +18,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
     """(sd35_tiny folder, pickscore_tiny folder)."""
-    from hpcnft.tiny import ensure_tiny_models
+    from hpcnft.models.tiny import ensure_tiny_models
 
     return ensure_tiny_models(str(tmp_path_factory.mktemp("tiny")))
 

@@ -383,10 +383,10 @@ def judge(what: str, rc, out: str, err: str, tb, allowed=(0, 2)) -> str | None:
 
 def resume_path(case_dir: str, config: dict) -> list[str]:
     """The resume path's view of a run dir holding the damaged run.h5."""
-    from hpcnft import runfile
-    from hpcnft.cli import UsageError
-    from hpcnft.cli_run import check_existing_run
-    from hpcnft.config import config_from_dict
+    from hpcnft.io import runfile
+    from hpcnft.cli.main import UsageError
+    from hpcnft.cli.run import check_existing_run
+    from hpcnft.common.config import config_from_dict
 
     problems = []
     cfg = config_from_dict(config)
@@ -464,7 +464,8 @@ def worker(src: str, workdir: str, n: int, budget_s: float, seed: int, plot_ever
     import warnings
 
     warnings.simplefilter("ignore")  # library notices are not what is judged here
-    from hpcnft import report, runfile
+    from hpcnft.cli import report
+    from hpcnft.io import runfile
 
     rng = random.Random(seed)
     with open(src, "rb") as f:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcnft import fast
-from hpcnft.tiny import TINY_TRANSFORMER
-from hpcnft.trainer import add_lora
+from hpcnft.perf import levers
+from hpcnft.models.tiny import TINY_TRANSFORMER
+from hpcnft.algo.trainer import add_lora
 
 
 def tiny_lora_dit(cfg, base_dtype: torch.dtype = torch.float32, b_scale: float = 0.05):
@@ -20,7 +20,7 @@ def tiny_lora_dit(cfg, base_dtype: torch.dtype = torch.float32, b_scale: float =
     add_lora(tr, cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for layer in fast.lora_layers(tr):
+        for layer in levers.lora_layers(tr):
             w = layer.lora_B["default"].weight
             w.copy_(torch.randn(w.shape, generator=g) * b_scale)
         for p in tr.parameters():
@@ -34,7 +34,7 @@ def tiny_policy(**perf):
     set, in eval mode."""
     import types
 
-    from hpcnft.config import load_config
+    from hpcnft.common.config import load_config
 
     cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
     return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
@@ -43,7 +43,7 @@ def tiny_policy(**perf):
 @torch.no_grad()
 def move_adapters(transformer) -> None:
     """What a training step does to the no-grad passes' inputs: the adapters change (B negated)."""
-    for layer in fast.lora_layers(transformer):
+    for layer in levers.lora_layers(transformer):
         layer.lora_B["default"].weight.mul_(-1.0)
 
 
@@ -52,7 +52,7 @@ def tiny_velocity(policy, device: str = "cpu") -> torch.Tensor:
     4 at 16x16 under fp16 autocast (returned as fp32) on a GPU."""
     import contextlib
 
-    from hpcnft.sampler import velocity
+    from hpcnft.algo.sampler import velocity
 
     c = TINY_TRANSFORMER
     n, size, tokens, sigmas = (3, 8, 5, [0.9, 0.5, 0.1]) if device == "cpu" else (4, 16, 7, [0.9, 0.5, 0.3, 0.1])
@@ -72,12 +72,12 @@ def gpu_policy(compiled: bool, *overrides: str):
     """tiny_policy's counterpart on the GPU: fp16 base, on cuda, the blocks compiled if asked."""
     import types
 
-    from hpcnft.config import load_config
+    from hpcnft.common.config import load_config
 
     cfg = load_config("tiny", list(overrides))
     tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to("cuda")
     if compiled:
-        fast.compile_blocks(tr)
+        levers.compile_blocks(tr)
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hpcnft.bench.shapes import Shapes
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 LEVER_SWEEP = [
     {"perf.attention_backend": "flash"}, {"perf.attention_backend": "cudnn"},
@@ -58,13 +58,13 @@ def expand_levers(specs: list[str], dev, S: Shapes, flag: str = "--levers") -> l
 
 
 def CUDA_ONLY_KEYS():  # noqa: N802 - a constant, read lazily so the CLI stays light
-    from hpcnft.fast import CUDA_ONLY
+    from hpcnft.perf.levers import CUDA_ONLY
 
     return CUDA_ONLY
 
 
 def fast_overrides(S: Shapes, dev, overrides: list[str]) -> dict:
-    from hpcnft.fast import FAST
+    from hpcnft.perf.levers import FAST
 
     out = dict(FAST)
     if S.name != "sd35m":  # FAST's batch sizes are for the real shapes

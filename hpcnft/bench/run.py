@@ -15,7 +15,7 @@ from hpcnft.bench.report import _fmt_ms, environment, markdown, targets
 from hpcnft.bench.shapes import SHAPES, TRAIN_K, Shapes, _torch
 from hpcnft.bench.stack import HpcnftStack, _toml, bench_config
 from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 SCHEMA = "hpcnft-bench/1"
 
@@ -398,7 +398,7 @@ def main(name: str, args: argparse.Namespace) -> int:
             os.makedirs(args.profile, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--profile {args.profile!r}: {e.strerror or e}") from None
-    from hpcnft.models import quiet_libraries
+    from hpcnft.models.loading import quiet_libraries
 
     quiet_libraries()
     bench = Bench(args, S, dev)

@@ -67,7 +67,7 @@ def sd35m_shapes() -> Shapes:
 
 
 def tiny_shapes() -> Shapes:
-    from hpcnft.tiny import TINY_PICKSCORE, TINY_TRANSFORMER, TINY_VAE
+    from hpcnft.models.tiny import TINY_PICKSCORE, TINY_TRANSFORMER, TINY_VAE
 
     return Shapes(
         name="tiny", recipe="tiny", dit=dict(TINY_TRANSFORMER), vae=dict(TINY_VAE),
@@ -117,9 +117,9 @@ def clip_processor():
     if not _PROCESSOR:
         from transformers import AutoProcessor
 
-        from hpcnft.models import quiet_libraries
-        from hpcnft.tiny import ensure_tiny_models
-        from hpcnft.tiny_cache import cache_dir
+        from hpcnft.models.loading import quiet_libraries
+        from hpcnft.models.tiny import ensure_tiny_models
+        from hpcnft.models.tiny_cache import cache_dir
 
         quiet_libraries()
         _, ps = ensure_tiny_models(cache_dir())
@@ -134,7 +134,7 @@ def scheduler():
 
 
 def prompt_list(n: int) -> list[str]:
-    from hpcnft.tiny import PROMPTS
+    from hpcnft.models.tiny import PROMPTS
 
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
@@ -166,7 +166,7 @@ class _Pipe:
     def encode_prompt(self, prompt, prompt_2=None, prompt_3=None, device=None, do_classifier_free_guidance=False,
                       max_sequence_length=256, **_):
         torch = _torch()
-        from hpcnft.determinism import stable_hash
+        from hpcnft.common.determinism import stable_hash
 
         g = torch.Generator().manual_seed(stable_hash("bench_prompt", prompt))
         pe = torch.randn(1, CLIP_TOKENS + max_sequence_length, self.S.dit["joint_attention_dim"], generator=g)
@@ -184,7 +184,7 @@ def world1_mesh(dev):
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        from hpcnft.distributed import free_port
+        from hpcnft.dist.groups import free_port
 
         if not dist.is_initialized():
             backend = "nccl" if dev.type == "cuda" else "gloo"

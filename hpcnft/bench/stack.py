@@ -6,7 +6,7 @@ import json
 
 from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_vae, clip_processor,
                                  prompt_list, random_images, scheduler, smooth_images, world1_mesh)
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 
 def _toml(v) -> str:
@@ -42,7 +42,7 @@ def fp32_arithmetic(module):
 
 def bench_config(S: Shapes, dev, overrides: dict):
     """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides."""
-    from hpcnft.config import ConfigError, load_config
+    from hpcnft.common.config import ConfigError, load_config
 
     base = {
         "rollout.height": S.size, "rollout.width": S.size, "rollout.prompts_per_step": S.prompts,
@@ -77,15 +77,15 @@ class HpcnftStack:
 
     @property
     def dtype(self):
-        from hpcnft.trainer import AUTOCAST_DTYPES
+        from hpcnft.algo.trainer import AUTOCAST_DTYPES
 
         return AUTOCAST_DTYPES.get(self.cfg.train.precision, _torch().float32)
 
     @property
     def policy(self):
         if self._policy is None:
-            from hpcnft.sampler import sigma_grid
-            from hpcnft.trainer import Policy, Trainer
+            from hpcnft.algo.sampler import sigma_grid
+            from hpcnft.algo.trainer import Policy, Trainer
 
             mesh = world1_mesh(self.dev)
             self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
@@ -96,27 +96,27 @@ class HpcnftStack:
     @property
     def vae(self):
         if self._vae is None:
-            from hpcnft import fast
+            from hpcnft.perf import levers
 
-            self._vae = fast.prepare_vae(build_vae(self.S, self.dev), self.cfg)  # loaded in fp32, as the runner does
+            self._vae = levers.prepare_vae(build_vae(self.S, self.dev), self.cfg)  # loaded in fp32, as the runner does
         return self._vae
 
     @property
     def scorer(self):
         if self._scorer is None:
-            from hpcnft import fast
-            from hpcnft.reward import PickScoreScorer
+            from hpcnft.perf import levers
+            from hpcnft.algo.reward import PickScoreScorer
 
-            self._scorer = fast.prepare_scorer(PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev),
+            self._scorer = levers.prepare_scorer(PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev),
                                                self.cfg)
         return self._scorer
 
     @property
     def train_rank(self):
         if self._tr is None:
-            from hpcnft.distributed import Topology
-            from hpcnft.loop import TrainRank
-            from hpcnft.reward_service import LocalRewardClient
+            from hpcnft.dist.groups import Topology
+            from hpcnft.algo.iteration import TrainRank
+            from hpcnft.dist.reward_service import LocalRewardClient
 
             policy = self.policy
             topo = Topology(0, 1, 0, [0], [], "bench", "nccl" if self.dev.type == "cuda" else "gloo", self.dev)
@@ -127,7 +127,7 @@ class HpcnftStack:
 
     def _score_fn(self):
         """runner.make_score_fn's rule: the prompt of sample i of step s from the train stream."""
-        from hpcnft.prompts import PromptStream, read_prompt_file
+        from hpcnft.algo.prompts import PromptStream, read_prompt_file
 
         cfg, scorer = self.cfg, self.scorer
         stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,
@@ -154,7 +154,7 @@ class HpcnftStack:
     def rollout_forward(self, b: int):
         """One DiT forward of the rollout: sampler.velocity under the old weights and autocast."""
         torch = _torch()
-        from hpcnft.sampler import velocity
+        from hpcnft.algo.sampler import velocity
 
         policy = self.policy
         x = self._latent(b).to(self.dev)
@@ -167,7 +167,7 @@ class HpcnftStack:
         return fn, policy.rollout_weights
 
     def vae_decode(self, b: int):
-        from hpcnft.sampler import decode_to_uint8
+        from hpcnft.algo.sampler import decode_to_uint8
 
         latents = self._latent(b).to(self.dev)
         vae = self.vae
@@ -199,7 +199,7 @@ class HpcnftStack:
         sampled with the blocks' GEMMs in fp8 and in the compute dtype. The velocity of one
         forward, the final latents, and PickScore of the decoded images, compared."""
         torch = _torch()
-        from hpcnft.sampler import Conditioning, decode_to_uint8, euler_sample, velocity
+        from hpcnft.algo.sampler import Conditioning, decode_to_uint8, euler_sample, velocity
 
         policy, cfg = self.policy, self.cfg
         noise = self._latent(n, seed=11).to(self.dev)
@@ -227,8 +227,8 @@ class HpcnftStack:
         """A PairBatch of `mb` rollout samples (seeded), on the device as TrainRank.rollout leaves
         them for Trainer.step."""
         torch = _torch()
-        from hpcnft import nft
-        from hpcnft.trainer import PairBatch
+        from hpcnft.algo import nft
+        from hpcnft.algo.trainer import PairBatch
 
         self.policy
         x0 = self._latent(mb, seed=7).to(self.dev)
@@ -246,8 +246,8 @@ class HpcnftStack:
         dtype, `vs_fp32` puts both against v_old in fp32 arithmetic over the same weights: the
         scale of what the compute dtype's own rounding already costs."""
         torch = _torch()
-        from hpcnft.sampler import velocity
-        from hpcnft.trainer import _local
+        from hpcnft.algo.sampler import velocity
+        from hpcnft.algo.trainer import _local
 
         policy, trainer, cfg = self.policy, self.trainer, self.cfg
         batch = self._pair_batch(mb)

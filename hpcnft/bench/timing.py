@@ -17,7 +17,7 @@ def measure(fn, dev, warm: int, reps: int) -> dict:
     """Median seconds of `fn` after `warm` calls (CUDA events on a GPU), and the peak memory
     allocated during the timed calls."""
     torch = _torch()
-    from hpcnft.perf import time_calls
+    from hpcnft.perf.mfu import time_calls
 
     for _ in range(warm):
         fn()
@@ -47,7 +47,7 @@ def count_flops(fn) -> int:
 def matmul_ceiling(dev, n: int) -> dict:
     """{"<dtype>_tflops": ...} of an n^3 dense matmul: fp16 and bf16 on a GPU, fp32 on a CPU."""
     torch = _torch()
-    from hpcnft.perf import measure_matmul
+    from hpcnft.perf.mfu import measure_matmul
 
     dtypes = (("fp16", torch.float16), ("bf16", torch.bfloat16)) if dev.type == "cuda" else (("fp32", torch.float32),)
     return {f"{name}_tflops": measure_matmul(dev, dt, n)["flops_per_s"] / 1e12 for name, dt in dtypes}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcnft import epilogue, fast
+from hpcnft.perf import epilogue, levers
 from lora_tools import gpu_policy, tiny_velocity
 
 DEV = torch.device("cuda", 0)
@@ -38,7 +38,7 @@ def test_no_grad_forward_with_the_epilogue(compiled):
     plain = tiny_velocity(policy, "cuda")
     outs = []
     for _ in range(2):
-        with fast.nograd_weights(policy):
+        with levers.nograd_weights(policy):
             assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
             outs.append((tiny_velocity(policy, "cuda"), graphs["unique_graphs"]))
     (first, n1), (second, n2) = outs

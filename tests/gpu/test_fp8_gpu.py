@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcnft import fast, fp8
+from hpcnft.perf import fp8, levers
 from lora_tools import gpu_policy, tiny_velocity
 
 DEV = torch.device("cuda", 0)
@@ -27,7 +27,7 @@ def test_fp8_rollout_forward_on_the_gpu(compiled):
     graphs = torch._dynamo.utils.counters["stats"]
     before = graphs["unique_graphs"]  # other tests of the session may have compiled
     for _ in range(2):  # two rollouts: the second must reuse what the first compiled
-        with fast.nograd_weights(policy):
+        with levers.nograd_weights(policy):
             half = tiny_velocity(policy, "cuda")
             with fp8.blocks_in_fp8(policy.transformer) as n:
                 in_fp8 = tiny_velocity(policy, "cuda")
@@ -40,7 +40,7 @@ def test_fp8_rollout_forward_on_the_gpu(compiled):
 
 @pytest.mark.parametrize("rows,cols,bias", [(300, 6144, True), (77, 1000, True), (5, 64, False)])
 def test_feed_forward_kernel_is_the_reference(rows, cols, bias):
-    from hpcnft import fp8_kernels
+    from hpcnft.perf import fp8_kernels
 
     g = torch.Generator().manual_seed(rows)
     h = (torch.randn(rows, cols, generator=g) * 3).to(DEV, torch.bfloat16)

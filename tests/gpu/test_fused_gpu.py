@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from hpcnft import fast, fused_qkv
-from hpcnft.config import load_config
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
+from hpcnft.perf import fused_qkv, levers
+from hpcnft.common.config import load_config
+from hpcnft.algo.sampler import velocity
+from hpcnft.models.tiny import TINY_TRANSFORMER
 from lora_tools import tiny_lora_dit
 
 DEV = torch.device("cuda")
@@ -23,7 +23,7 @@ def _policy(compiled: bool, **perf):
     if perf.get("fused_lora"):
         fused_qkv.install_fused_lora(tr)
     if compiled:
-        fast.compile_blocks(tr)
+        levers.compile_blocks(tr)
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 
@@ -57,9 +57,9 @@ def test_fused_attention_paths_match_peft_in_fp16(compiled):
     torch.testing.assert_close(v_fused, v_ref, rtol=2e-2, atol=2e-3)
     for name in g_ref:
         torch.testing.assert_close(g_fused[name], g_ref[name], rtol=5e-2, atol=1e-4, msg=name)
-    with fast.nograd_weights(ref):
+    with levers.nograd_weights(ref):
         m_ref, _ = _forward(ref, grad=False)
-    with fast.nograd_weights(fused):
+    with levers.nograd_weights(fused):
         m_fused, _ = _forward(fused, grad=False)
     torch.testing.assert_close(m_fused, m_ref, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(m_fused, v_fused, rtol=2e-2, atol=2e-3)  # merged ≈ the LoRA forward

@@ -26,7 +26,7 @@ def small_real_shapes():
 
 @pytest.mark.parametrize("levers", ["off", "fast"])
 def test_real_shape_iteration_runs(levers):
-    from hpcnft import fast
+    from hpcnft.perf import levers
     from hpcnft.bench.shapes import _MESH
     from hpcnft.bench.stack import HpcnftStack
 
@@ -34,7 +34,7 @@ def test_real_shape_iteration_runs(levers):
     dev = torch.device("cuda", torch.cuda.current_device())
     over = {}
     if levers == "fast":
-        over = dict(fast.FAST, **{"rollout.batch_size": 4, "train.micro_batch": 4, "perf.old_pass_batch": 4})
+        over = dict(levers.FAST, **{"rollout.batch_size": 4, "train.micro_batch": 4, "perf.old_pass_batch": 4})
     stack = HpcnftStack("t", "t", S, dev, over)
     try:
         fn, ctx = stack.iteration()
@@ -79,7 +79,7 @@ DETERMINISTIC_LEVERS = ["--set", "perf.skip_single_rank_fsdp=true", "--set", "pe
 
 @pytest.mark.parametrize("levers", ["off", "deterministic"])
 def test_tiny_fp16_cuda_scaler_and_bitwise_reproducible(tmp_path, levers):
-    from hpcnft.runfile import read_run
+    from hpcnft.io.runfile import read_run
 
     extra = DETERMINISTIC_LEVERS if levers == "deterministic" else []
     runs = []

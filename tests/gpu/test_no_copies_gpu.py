@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from hpcnft.bench.shapes import SHAPES
 from hpcnft.bench.stack import HpcnftStack
-from hpcnft.sampler import Conditioning, euler_sample, velocity
+from hpcnft.algo.sampler import Conditioning, euler_sample, velocity
 
 DEV = torch.device("cuda", 0)
 

@@ -20,7 +20,7 @@ import datetime, json, os, subprocess, sys, time
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcnft.launch import detect
+from hpcnft.dist.launch import detect
 
 info = detect(os.environ)
 truth = {}

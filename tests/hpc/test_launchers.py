@@ -62,7 +62,7 @@ job_output, job_state, wait = _hpc.job_output, _hpc.job_state, _hpc.wait
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 from jobs import assert_same_metrics  # noqa: E402  (tests/integration/jobs.py)
 
-from hpcnft.runfile import read_run  # noqa: E402
+from hpcnft.io.runfile import read_run  # noqa: E402
 
 PY = sys.executable
 HPCNFT_CMD = f"{shlex.quote(PY)} -m hpcnft"
@@ -215,8 +215,8 @@ def _cluster_and_cache(slurm_cluster, hpcnft_cache):
     """Every test here needs the cluster (skip/fail first, before any reference run) and the
     session's model cache, built here, before any job starts: a cache that ranks build after
     torch.distributed is up ends up incomplete (see test_tiny_models_built_by_a_nonzero_rank)."""
-    from hpcnft.tiny import ensure_tiny_models
-    from hpcnft.tiny_cache import cache_dir
+    from hpcnft.models.tiny import ensure_tiny_models
+    from hpcnft.models.tiny_cache import cache_dir
 
     ensure_tiny_models(cache_dir())
     return slurm_cluster
@@ -655,7 +655,7 @@ def test_tiny_models_built_by_a_nonzero_rank(slurm_cluster, hpcnft_cache, tmp_pa
     """What happens on a fresh HPCNFT_CACHE under srun, sbatch, mpirun, torchrun or hpcnft submit
     whenever the rank that takes the cache's build lock is not rank 0. Made deterministic here:
     rank 0 sees the session's (complete) cache, ranks 1 and 2 a fresh one, which they build."""
-    from hpcnft.models import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
+    from hpcnft.models.loading import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
 
     fresh, run_dir = tmp_path / "fresh-cache", tmp_path / "run"
     wrapper = ('[ "$SLURM_PROCID" = 0 ] || export HPCNFT_CACHE="$FRESH_CACHE"; exec "$@"')

@@ -11,8 +11,8 @@ import h5py
 import numpy as np
 import psutil
 
-from hpcnft.compare import compare_metrics
-from hpcnft.runfile import read_run
+from hpcnft.io.compare import compare_metrics
+from hpcnft.io.runfile import read_run
 
 
 def hpcnft(*args: str, timeout: float = 600, check: bool = True, env: dict | None = None):

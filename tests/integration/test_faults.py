@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jobs import rank_pids, start, wait_for_line
-from hpcnft.runfile import read_run
+from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
 

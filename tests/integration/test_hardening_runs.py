@@ -28,8 +28,8 @@ import psutil
 import pytest
 
 from hardening_tools import Payload, free_bytes, fuzz, payload_bytes, small_tmpfs, tmpfs_available
-from hpcnft import checkpoint
-from hpcnft.runfile import read_run
+from hpcnft.io import checkpoint
+from hpcnft.io.runfile import read_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Detected pickle protocol")]
 

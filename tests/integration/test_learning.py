@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jobs import hpcnft
-from hpcnft.runfile import read_run
+from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
 

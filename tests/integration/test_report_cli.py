@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcnft.runfile import ALL_KEYS, RunFileWriter
+from hpcnft.io.runfile import ALL_KEYS, RunFileWriter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEXT_AFTER_ONE = float(np.nextafter(1.0, 2.0))
@@ -204,7 +204,7 @@ def test_plot_samples_shows_the_saved_grids(tmp_path, run_a):
 # -- watch --------------------------------------------------------------------------------
 WRITER = textwrap.dedent("""
     import sys, time
-    from hpcnft.runfile import ALL_KEYS, RunFileWriter
+    from hpcnft.io.runfile import ALL_KEYS, RunFileWriter
     time.sleep(0.3)  # the watcher starts before the file exists
     w = RunFileWriter(sys.argv[1], "{}", "0.1.0")
     w.add_attempt({"from_step": 0})
@@ -293,7 +293,7 @@ def test_export_needs_a_target_and_known_keys(tmp_path, run_a):
 
 def read_tfrecords(path):
     """Payloads of a TFRecord file, checking both masked CRC-32C of every record."""
-    from hpcnft.tbevents import crc32c
+    from hpcnft.io.tbevents import crc32c
 
     def masked(data):
         c = crc32c(data)
@@ -341,7 +341,7 @@ def proto_fields(buf):
 
 
 def test_export_tensorboard_writes_scalar_events(tmp_path, run_a):
-    from hpcnft.tbevents import crc32c
+    from hpcnft.io.tbevents import crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     r = hpcnft("export-metrics", run_a, "--tensorboard", tmp_path / "tb", "--keys", "train/nft_loss",

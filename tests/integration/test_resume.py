@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jobs import assert_same_metrics, hpcnft, kill_all_ranks, start, wait_for_line
-from hpcnft.runfile import read_run
+from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
 

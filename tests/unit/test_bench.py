@@ -4,7 +4,7 @@ import torch
 
 from hpcnft.bench.profiling import CATEGORIES, categorize, kernel_category
 from hpcnft.bench.timing import matmul_ceiling as bench_ceiling
-from hpcnft.perf import matmul_ceiling, measure_matmul
+from hpcnft.perf.mfu import matmul_ceiling, measure_matmul
 
 KERNELS = {
     "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_nn": "gemm",

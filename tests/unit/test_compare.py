@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcnft.compare import (CompareError, compare_metrics, compare_series, dumps_standard, metrics_from_standard,
+from hpcnft.io.compare import (CompareError, compare_metrics, compare_series, dumps_standard, metrics_from_standard,
                             select_keys, standard_document, ulp_distance, values_match)
 
 NEXT_AFTER_ONE = float(np.nextafter(1.0, 2.0))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcnft.determinism import capture_rng_state, generator, restore_rng_state, stable_hash
-from hpcnft.sampler import initial_noise
+from hpcnft.common.determinism import capture_rng_state, generator, restore_rng_state, stable_hash
+from hpcnft.algo.sampler import initial_noise
 
 MASK63 = (1 << 63) - 1
 
@@ -115,8 +115,8 @@ def test_initial_noise_does_not_depend_on_the_batch():
 
 
 def test_noise_drawn_ahead_in_a_worker_is_the_initial_noise_of_each_chunk(thread_spy):
-    from hpcnft import sampler
-    from hpcnft.sampler import NoiseAhead
+    from hpcnft.algo import sampler
+    from hpcnft.algo.sampler import NoiseAhead
 
     real = sampler.initial_noise
     threads = thread_spy(sampler, "initial_noise")

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcnft import epilogue, fast, fp8
+from hpcnft.perf import epilogue, fp8, levers
 from lora_tools import RecordOps, tiny_policy, tiny_velocity
 
 
@@ -35,7 +35,7 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
     classes = [type(m) for m in tr.modules()]
     with RecordOps() as outside:
         before = tiny_velocity(policy)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         gelus = epilogue.gelu_modules(tr)
         assert gelus and all(isinstance(m, epilogue.EpilogueGELUMixin) for m in gelus)
         with RecordOps() as inside:
@@ -51,7 +51,7 @@ def test_no_grad_passes_use_the_epilogue_and_the_model_is_left_as_it_was():
 
 def test_only_where_the_ops_gelu_is_the_modules():
     policy = tiny_policy(merge_lora_nograd=True, gelu_epilogue=True)  # SD3's tanh GELU; the CPU op's is exact
-    with fast.nograd_weights(policy), RecordOps() as ops:
+    with levers.nograd_weights(policy), RecordOps() as ops:
         assert all(isinstance(m, epilogue.EpilogueGELUMixin) for m in epilogue.gelu_modules(policy.transformer))
         tiny_velocity(policy)
     assert "aten::_addmm_activation" not in ops.names and "aten::gelu" in ops.names
@@ -59,7 +59,7 @@ def test_only_where_the_ops_gelu_is_the_modules():
 
 def test_off_by_default_and_never_where_gradients_flow():
     policy = _exact_gelu_policy(merge_lora_nograd=True)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         assert not any(isinstance(m, epilogue.EpilogueGELUMixin) for m in policy.transformer.modules())
     module = epilogue.gelu_modules(policy.transformer)[0]
     x = torch.randn(2, 3, module.proj.in_features, requires_grad=True)

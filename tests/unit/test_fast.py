@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from hpcnft import fast
+from hpcnft.perf import levers
 from hpcnft.bench.shapes import _MESH, tiny_shapes
 from hpcnft.bench.stack import HpcnftStack
 from lora_tools import RecordOps
@@ -32,7 +32,7 @@ def _train_metrics(stack, seed_b: bool = True):
     if seed_b:  # peft starts B at zero: give the adapters something to merge
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            for layer in fast.lora_layers(stack.policy.transformer):
+            for layer in levers.lora_layers(stack.policy.transformer):
                 w = layer.lora_B["default"].weight
                 w = w.to_local() if hasattr(w, "to_local") else w
                 w.copy_(torch.randn(w.shape, generator=g) * 0.02)
@@ -74,7 +74,7 @@ def test_merged_lora_matches_and_restores_the_base_bitwise(stacks):
     x = torch.randn(4, 16, 8, 8)
     sig = s.sigmas[2].expand(4)
     pe, pooled = s._cond(4)
-    from hpcnft.sampler import velocity
+    from hpcnft.algo.sampler import velocity
 
     base = {n: p.detach().clone() for n, p in policy.transformer.named_parameters() if not p.requires_grad}
     with torch.no_grad(), policy.old_weights():
@@ -82,10 +82,10 @@ def test_merged_lora_matches_and_restores_the_base_bitwise(stacks):
     policy.cfg.perf.merge_lora_nograd = True
     with torch.no_grad(), policy.old_weights():
         # adapters off inside, by their flag; the trainable set is left as it is
-        assert all(layer.disable_adapters for layer in fast.lora_layers(policy.transformer))
+        assert all(layer.disable_adapters for layer in levers.lora_layers(policy.transformer))
         assert all(p.requires_grad for p in policy.trainable)
         merged = velocity(policy.transformer, x, sig, pe, pooled, torch.float32)
-    assert not any(layer.disable_adapters for layer in fast.lora_layers(policy.transformer))
+    assert not any(layer.disable_adapters for layer in levers.lora_layers(policy.transformer))
     assert all(p.requires_grad for p in policy.trainable)
     after = {n: p.detach() for n, p in policy.transformer.named_parameters() if n in base}
     assert all(torch.equal(base[n], after[n]) for n in base)
@@ -99,9 +99,9 @@ def test_module_lists_are_found_once_per_model():
         calls.append(root)
         return [m for m in root.modules() if isinstance(m, torch.nn.Linear)]
     a, b = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    first = fast.module_list(a, "linears", find)
-    assert fast.module_list(a, "linears", find) is first and calls == [a]
-    assert fast.module_list(b, "linears", find) == [b[0]] and calls == [a, b]  # kept per model
+    first = levers.module_list(a, "linears", find)
+    assert levers.module_list(a, "linears", find) is first and calls == [a]
+    assert levers.module_list(b, "linears", find) == [b[0]] and calls == [a, b]  # kept per model
     assert "linears" not in dict(a.named_modules()) and not list(a.state_dict().keys() - {"0.weight", "0.bias"})
 
 
@@ -113,22 +113,22 @@ def test_batched_old_pass_matches_per_micro_batch(stacks):
 
 
 def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
-    from hpcnft.config import Config
+    from hpcnft.common.config import Config
 
     cfg = Config()
     cfg.perf = dataclasses.replace(cfg.perf, compile_blocks=True, attention_backend="flash", merge_lora_nograd=True)
     cfg.determinism.enabled = True
-    eff = fast.effective(cfg)
+    eff = levers.effective(cfg)
     assert not eff.compile_blocks and eff.attention_backend == "default" and eff.merge_lora_nograd
     cfg.determinism.enabled = False
-    assert fast.effective(cfg).compile_blocks
+    assert levers.effective(cfg).compile_blocks
 
 
 @pytest.mark.parametrize("key,option", [("inductor_tuning", "coordinate_descent_tuning"),
                                         ("inductor_autotune", "max_autotune_pointwise")])
 def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode(key, option):
     import torch._inductor.config as inductor
-    from hpcnft.config import Config
+    from hpcnft.common.config import Config
 
     cfg = Config()
     cfg.determinism.enabled = False
@@ -136,11 +136,11 @@ def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_
     try:
         for on in (True, False):
             cfg.perf = dataclasses.replace(cfg.perf, **{key: on})
-            fast.inductor_options(fast.effective(cfg))
+            levers.inductor_options(levers.effective(cfg))
             assert getattr(inductor, option) is on
             assert not any(getattr(inductor, o) for o in saved if o != option)  # the other lever stays off
         cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, **{key: True}), True
-        assert not getattr(fast.effective(cfg), key)
+        assert not getattr(levers.effective(cfg), key)
     finally:
         for o, v in saved.items():
             setattr(inductor, o, v)
@@ -150,7 +150,7 @@ def test_compiled_blocks_step_aside_under_a_dispatch_mode():
     """FlopCounterMode around a compiled block would make dynamo skip its code for good."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    call = fast._CompiledCall(lambda x: ("eager", x), lambda x: ("compiled", x))
+    call = levers._CompiledCall(lambda x: ("eager", x), lambda x: ("compiled", x))
     assert call(1) == ("compiled", 1)
     with FlopCounterMode(display=False):
         assert call(1) == ("eager", 1)
@@ -160,17 +160,17 @@ def test_compiled_blocks_step_aside_under_a_dispatch_mode():
 @pytest.mark.parametrize("precision,cast", [("bf16", False), ("fp32", True)])
 def test_half_precision_policy_skips_peft_input_casts(stacks, precision, cast):
     policy = stacks({"train.precision": precision, "perf.skip_single_rank_fsdp": True}).policy
-    layers = fast.lora_layers(policy.transformer)
+    layers = levers.lora_layers(policy.transformer)
     assert layers and all(getattr(layer, "cast_input_dtype_enabled", True) is cast for layer in layers)
 
 
 def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
-    from hpcnft.config import flatten, load_config
+    from hpcnft.common.config import flatten, load_config
 
     ref = flatten(load_config("sd35m_pickscore").to_dict())
     fast_recipe = flatten(load_config("sd35m_pickscore_fast").to_dict())
     changed = {k: v for k, v in fast_recipe.items() if ref[k] != v}
-    assert changed == {k: v for k, v in fast.FAST.items() if ref[k] != v}
+    assert changed == {k: v for k, v in levers.FAST.items() if ref[k] != v}
 
 
 @pytest.mark.parametrize("one_scale", [True, False])
@@ -181,19 +181,19 @@ def test_stacked_merge_gives_each_layer_its_own_merged_weight(one_scale):
 
     policy = tiny_policy(merge_lora_nograd=True)
     tr = policy.transformer
-    layers = fast.lora_layers(tr)
+    layers = levers.lora_layers(tr)
     if not one_scale:  # adapters of other alphas: a scale per layer
         for i, layer in enumerate(layers):
             layer.scaling["default"] *= 1.0 + 0.5 * i
     reference = copy.deepcopy(tr)
     with torch.no_grad():
-        for layer in fast.lora_layers(reference):
-            fast._merge_one(layer)
-    want = [layer.get_base_layer().weight.detach().clone() for layer in fast.lora_layers(reference)]
+        for layer in levers.lora_layers(reference):
+            levers._merge_one(layer)
+    want = [layer.get_base_layer().weight.detach().clone() for layer in levers.lora_layers(reference)]
     before = [layer.get_base_layer().weight.detach().clone() for layer in layers]
-    assert all(fast._plain_adapter(layer) == "default" for layer in layers)
-    assert len(fast._merge_groups([(layer, "default") for layer in layers], most=4)) > 1  # groups split at `most`
-    with fast.merged_lora(policy):
+    assert all(levers._plain_adapter(layer) == "default" for layer in layers)
+    assert len(levers._merge_groups([(layer, "default") for layer in layers], most=4)) > 1  # groups split at `most`
+    with levers.merged_lora(policy):
         for layer, w, b in zip(layers, want, before):
             got = layer.get_base_layer().weight
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-7)
@@ -205,14 +205,14 @@ def test_a_layer_with_a_transposed_lora_is_merged_on_its_own():
     from lora_tools import tiny_policy
 
     policy = tiny_policy(merge_lora_nograd=True)
-    layers = fast.lora_layers(policy.transformer)
+    layers = levers.lora_layers(policy.transformer)
     odd = layers[0]
     odd.fan_in_fan_out = True  # peft's Conv1D layout: delta transposed (square here)
-    assert fast._plain_adapter(odd) is None and fast._plain_adapter(layers[1]) == "default"
+    assert levers._plain_adapter(odd) is None and levers._plain_adapter(layers[1]) == "default"
     w = odd.get_base_layer().weight
     before = w.detach().clone()
     a, b = odd.lora_A["default"].weight.float(), odd.lora_B["default"].weight.float()
-    with fast.merged_lora(policy):
+    with levers.merged_lora(policy):
         want = (before.float() + (b @ a).T * odd.scaling["default"]).to(before.dtype)
         assert torch.equal(w, want)
     assert torch.equal(w, before)

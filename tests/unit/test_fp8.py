@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcnft import fast, fp8, fused_qkv
-from hpcnft.config import load_config
+from hpcnft.perf import fp8, fused_qkv, levers
+from hpcnft.common.config import load_config
 from lora_tools import RecordOps, move_adapters, tiny_lora_dit, tiny_policy, tiny_velocity
 
 
@@ -47,7 +47,7 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
     tr = policy.transformer
     before = tiny_velocity(policy)
     state = {k: v.clone() for k, v in tr.state_dict().items()}
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         merged = tiny_velocity(policy)
         procs = [m.processor for m in tr.modules() if hasattr(m, "processor")]
         with fp8.blocks_in_fp8(tr) as n:
@@ -69,10 +69,10 @@ def test_fp8_rollout_forward_is_close_and_leaves_the_model_as_it_was(fuse):
 
 def test_fp8_weights_follow_the_weights_at_entry():
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
-    with fast.nograd_weights(policy), fp8.blocks_in_fp8(policy.transformer):
+    with levers.nograd_weights(policy), fp8.blocks_in_fp8(policy.transformer):
         first = tiny_velocity(policy)
     move_adapters(policy.transformer)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         merged = tiny_velocity(policy)
         with fp8.blocks_in_fp8(policy.transformer):
             second = tiny_velocity(policy)
@@ -113,7 +113,7 @@ def test_feed_forwards_quantize_their_hidden_activation_in_one_op():
     tr = policy.transformer
     ff = tr.transformer_blocks[0].ff
     x = torch.randn(2, 9, ff.net[0].proj.in_features, generator=torch.Generator().manual_seed(4))
-    with torch.no_grad(), fast.nograd_weights(policy):
+    with torch.no_grad(), levers.nograd_weights(policy):
         with fp8.blocks_in_fp8(tr):
             ffs = [m for m in tr.modules() if isinstance(m, fp8.Fp8FeedForwardMixin)]
             with RecordOps() as ops:

@@ -6,10 +6,10 @@ import contextlib
 import pytest
 import torch
 
-from hpcnft import fast, fused_qkv
-from hpcnft.config import ConfigError, load_config
-from hpcnft.sampler import velocity
-from hpcnft.tiny import TINY_TRANSFORMER
+from hpcnft.perf import fused_qkv, levers
+from hpcnft.common.config import ConfigError, load_config
+from hpcnft.algo.sampler import velocity
+from hpcnft.models.tiny import TINY_TRANSFORMER
 from lora_tools import move_adapters, tiny_policy
 
 
@@ -37,10 +37,10 @@ def test_fused_forward_matches_merged_three_gemm_forward_and_restores():
     with_lora = _velocity(policy)
     procs = [m.processor for m in fused_qkv._joint_attentions(tr)]
     policy.cfg.perf.fuse_qkv = False
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         merged = _velocity(policy)
     policy.cfg.perf.fuse_qkv = True
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         assert all(isinstance(m.processor, fused_qkv.FusedQKVProcessor) for m in tr.modules() if hasattr(m, "to_q"))
         fused = _velocity(policy)
     torch.testing.assert_close(fused, merged, rtol=1e-5, atol=1e-6)
@@ -52,13 +52,13 @@ def test_fused_forward_matches_merged_three_gemm_forward_and_restores():
 
 def test_fused_weights_follow_the_weights_at_entry():
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         before = _velocity(policy)
     move_adapters(policy.transformer)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         after = _velocity(policy)
     policy.cfg.perf.fuse_qkv = False
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         reference = _velocity(policy)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-6)
@@ -73,7 +73,7 @@ def test_fuse_qkv_with_lora_needs_merged_weights():
 def test_deterministic_mode_keeps_fuse_qkv_and_turns_off_timed_choices():
     cfg = load_config("tiny", ["perf.fuse_qkv=true", "perf.merge_lora_nograd=true", "perf.compile_vae=true",
                                "perf.cudnn_benchmark=true", "perf.overlap_reward=true", "determinism.enabled=true"])
-    perf = fast.effective(cfg)
+    perf = levers.effective(cfg)
     assert perf.fuse_qkv and perf.overlap_reward
     assert not perf.compile_vae and not perf.cudnn_benchmark
 
@@ -102,16 +102,16 @@ def test_fused_lora_trains_like_peft_layers():
 def test_fused_lora_steps_aside_where_the_adapters_are_off():
     peft_policy, fused_policy = tiny_policy(merge_lora_nograd=True), tiny_policy(merge_lora_nograd=True, fused_lora=True)
     fused_qkv.install_fused_lora(fused_policy.transformer)
-    for ctx in (lambda p: fast.nograd_weights(p), lambda p: _adapters_off(p.transformer)):
+    for ctx in (lambda p: levers.nograd_weights(p), lambda p: _adapters_off(p.transformer)):
         with ctx(peft_policy):
             want = _velocity(peft_policy)
         with ctx(fused_policy):
             got = _velocity(fused_policy)
         assert torch.equal(got, want)
-    with fast.nograd_weights(peft_policy):
+    with levers.nograd_weights(peft_policy):
         merged = _velocity(peft_policy)
     fused_policy.cfg.perf.fuse_qkv = True  # the no-grad fused path over the fused-LoRA processors
-    with fast.nograd_weights(fused_policy):
+    with levers.nograd_weights(fused_policy):
         torch.testing.assert_close(_velocity(fused_policy), merged, rtol=1e-5, atol=1e-6)
     assert all(isinstance(m.processor, fused_qkv.FusedLoRAProcessor)
                for m in fused_policy.transformer.modules() if hasattr(m, "to_q") and hasattr(m, "processor"))
@@ -134,8 +134,8 @@ def test_fused_lora_needs_lora():
 def test_refresh_copies_into_the_buffers_it_made():
     policy = tiny_policy(merge_lora_nograd=True, fuse_qkv=True)
     attn = policy.transformer.transformer_blocks[0].attn
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         first = getattr(attn, fused_qkv.WEIGHT)
-    with fast.nograd_weights(policy):
+    with levers.nograd_weights(policy):
         assert getattr(attn, fused_qkv.WEIGHT) is first  # refreshed in place, not reallocated
     assert getattr(policy.transformer.transformer_blocks[0].attn2, fused_qkv.ADDED_WEIGHT) is None  # no text stream

@@ -22,10 +22,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hardening_tools import fuzz, payload_bytes, remount_read_only, small_tmpfs
-from hpcnft import checkpoint, determinism, runfile
-from hpcnft.cli import UsageError
-from hpcnft.config import ConfigError, load_config
-from hpcnft.reward_service import (DONE, ERROR, EVAL, MAX_CHUNK, MAX_SIDE, ROLLOUT, SNAPSHOT, RewardServiceError,
+from hpcnft.io import checkpoint
+from hpcnft.common import determinism
+from hpcnft.io import runfile
+from hpcnft.cli.main import UsageError
+from hpcnft.common.config import ConfigError, load_config
+from hpcnft.dist.reward_service import (DONE, ERROR, EVAL, MAX_CHUNK, MAX_SIDE, ROLLOUT, SNAPSHOT, RewardServiceError,
                                    validate_header)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,7 +198,7 @@ def _restore(folder: str, bin_name: str) -> None:
                                            ("text_encoder", "pytorch_model.bin"),
                                            ("pickscore", "pytorch_model.bin")])
 def test_model_folder_pickles_are_never_loaded(hostile_models, part, bin_name, keep_safetensors):
-    from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline
+    from hpcnft.models.loading import ModelError, load_pickscore, load_sd3_pipeline
 
     sd3, ps, base = hostile_models
     marker = str(base / f"MARKER-{part}-{keep_safetensors}")
@@ -324,7 +326,7 @@ def test_umask_is_a_config_value():
 
 
 def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
-    from hpcnft.preempt import requeue
+    from hpcnft.dist.preempt import requeue
 
     fake = tmp_path / "scontrol"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
@@ -339,7 +341,7 @@ def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
 
 _LATE_SIGNAL = r"""
 import logging, signal, sys
-from hpcnft.preempt import PreemptFlag
+from hpcnft.dist.preempt import PreemptFlag
 flag = PreemptFlag("SIGUSR2", True, logging.getLogger("t"))
 if sys.argv[1] == "retired":
     flag.retire()
@@ -365,9 +367,9 @@ def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
 def test_run_rank_retires_its_preempt_flag_on_every_way_out(tmp_path):
     import signal
 
-    from hpcnft.launch import detect
-    from hpcnft.loop import EXIT_BAD_INPUT
-    from hpcnft.runner import run_rank
+    from hpcnft.dist.launch import detect
+    from hpcnft.algo.iteration import EXIT_BAD_INPUT
+    from hpcnft.run.job import run_rank
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
@@ -381,7 +383,7 @@ def test_run_rank_retires_its_preempt_flag_on_every_way_out(tmp_path):
 
 
 def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
-    from hpcnft.preempt import leave_requeue_to_slurm
+    from hpcnft.dist.preempt import leave_requeue_to_slurm
 
     assert leave_requeue_to_slurm("SIGUSR2", "SIGUSR2") is None  # the time-limit warning: requeue
     assert leave_requeue_to_slurm("", "SIGUSR2") is None  # the reward rank's signal: requeue
@@ -391,7 +393,7 @@ def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
 
 
 def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
-    from hpcnft import runner
+    from hpcnft.run import job as runner
 
     order = []
     writer = types.SimpleNamespace(close=lambda: order.append("close"))
@@ -515,7 +517,7 @@ def test_a_full_tmpfs_fails_run_file_appends_cleanly(tmp_path):
     mnt = str(tmp_path / "mnt")
     code = f"""
 import sys
-from hpcnft.runfile import RunFileWriter, RunFileError, PER_STEP_KEYS, read_run
+from hpcnft.io.runfile import RunFileWriter, RunFileError, PER_STEP_KEYS, read_run
 p = {mnt + '/run.h5'!r}
 w = RunFileWriter(p, "{{}}", "x")
 done = 0
@@ -565,7 +567,7 @@ def test_a_full_tmpfs_fails_a_checkpoint_cleanly(tmp_path):
 
 
 def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
-    from hpcnft.cli_run import check_run_dir
+    from hpcnft.cli.run import check_run_dir
 
     mnt = str(tmp_path / "mnt")
     with small_tmpfs(mnt, "4m"):
@@ -590,7 +592,7 @@ def test_a_preempt_signal_is_kept_when_its_log_line_fails():
     import logging
     import signal
 
-    from hpcnft.preempt import PreemptFlag
+    from hpcnft.dist.preempt import PreemptFlag
 
     class Broken(logging.Handler):
         def handle(self, record):  # a write that fails outright (not through handleError)

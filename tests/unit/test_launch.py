@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcnft.launch import (
+from hpcnft.dist.launch import (
     DEFAULT_PORT,
     LaunchError,
     LaunchInfo,
@@ -359,7 +359,7 @@ def test_job_port_stable_and_in_range():
 
 
 def test_a_failed_rendezvous_is_one_line_with_the_fix_when_the_port_is_taken():
-    from hpcnft.distributed import rendezvous_error
+    from hpcnft.dist.groups import rendezvous_error
 
     info = detect({"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "node7", "MASTER_PORT": "20042"})
     taken = RuntimeError("The server socket has failed to listen on any local network address. port: 20042, "

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from hpcnft import nft
-from hpcnft.sampler import sigma_grid, velocity
+from hpcnft.algo import nft
+from hpcnft.algo.sampler import sigma_grid, velocity
 
 C = 5.0  # adv_clip_max of the recipe
 
@@ -418,7 +418,7 @@ def test_reward_stats_median_odd_count():
 def test_the_branch_loss_squares_without_pow_bit_for_bit():
     """err * err instead of err.square(): pow's backward copies its exponent to the device at each
     call; the loss and its gradient keep their bits."""
-    from hpcnft.nft import _squared
+    from hpcnft.algo.nft import _squared
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 3, 8, 8, generator=g, requires_grad=True)

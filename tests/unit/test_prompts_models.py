@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from hpcnft.models import (PICKSCORE_REQUIRED, SD3_REQUIRED, ModelError, check_folder, load_pickscore,
+from hpcnft.models.loading import (PICKSCORE_REQUIRED, SD3_REQUIRED, ModelError, check_folder, load_pickscore,
                            load_sd3_pipeline)
-from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
+from hpcnft.algo.prompts import PromptFileError, PromptStream, read_prompt_file
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -195,7 +195,7 @@ def test_load_pickscore_turns_a_broken_model_into_one_line(tmp_path, tiny_models
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_tiny_models_build_byte_identical_twice(tmp_path):
-    from hpcnft.tiny import build_tiny_models, tree_digest
+    from hpcnft.models.tiny import build_tiny_models, tree_digest
 
     sd3_a, ps_a = build_tiny_models(str(tmp_path / "a"))
     sd3_b, ps_b = build_tiny_models(str(tmp_path / "b"))
@@ -211,7 +211,7 @@ def test_tiny_models_build_byte_identical_twice(tmp_path):
 
 
 def test_tiny_folders_pass_the_preflight_checks(tiny_models):
-    from hpcnft.models import PROCESSOR_REQUIRED
+    from hpcnft.models.loading import PROCESSOR_REQUIRED
 
     sd3, ps = tiny_models
     check_folder("models.sd3_dir", sd3, SD3_REQUIRED)
@@ -236,7 +236,7 @@ def _emb(out):
 
 
 def test_pickscore_formula(pickscore):
-    from hpcnft.reward import PickScoreScorer
+    from hpcnft.algo.reward import PickScoreScorer
 
     processor, model = pickscore
     prompts = ["a photo of a cat sitting on a red chair", "a panda eating bamboo in the forest",

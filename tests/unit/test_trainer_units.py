@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcnft.config import load_config
-from hpcnft.trainer import LossScaler, pair_noise, train_sigma_pairs
+from hpcnft.common.config import load_config
+from hpcnft.algo.trainer import LossScaler, pair_noise, train_sigma_pairs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,8 +133,8 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
     forward and every gradient are the same bits."""
     from lora_tools import tiny_lora_dit
 
-    from hpcnft import fast
-    from hpcnft.tiny import TINY_TRANSFORMER
+    from hpcnft.perf import levers
+    from hpcnft.models.tiny import TINY_TRANSFORMER
 
     tr = tiny_lora_dit(load_config("tiny"), base_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2)
@@ -145,7 +145,7 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
                   pooled_projections=torch.randn(2, c["pooled_projection_dim"], generator=g).bfloat16())
 
     def run(cast: bool):
-        for layer in fast.lora_layers(tr):
+        for layer in levers.lora_layers(tr):
             layer.cast_input_dtype_enabled = cast
         tr.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -163,8 +163,8 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
 # PairNoise: the step's pair noise, prefetched in a worker thread or drawn in line, same values
 # ---------------------------------------------------------------------------------------------
 def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(thread_spy):
-    from hpcnft import trainer as trainer_mod
-    from hpcnft.trainer import PairNoise
+    from hpcnft.algo import trainer as trainer_mod
+    from hpcnft.algo.trainer import PairNoise
 
     cfg = load_config("tiny", [])
     ids, shape, step = [4, 5, 6], (2, 4, 4), 3
@@ -183,7 +183,7 @@ def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(t
 
 
 def test_pair_noise_prefetched_for_other_samples_is_not_used():
-    from hpcnft.trainer import PairNoise
+    from hpcnft.algo.trainer import PairNoise
 
     cfg = load_config("tiny", [])
     shape = (2, 4, 4)

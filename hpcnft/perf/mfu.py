@@ -63,7 +63,7 @@ class DitFlops:
 def count_dit_flops(policy, latent_shape, prompt_embeds, pooled) -> DitFlops:
     """Count, on one sample, the DiT work a rollout step and a train pair do. Every train rank
     runs it together (FSDP2 collectives); the probe's gradients are dropped."""
-    from hpcnft.sampler import velocity
+    from hpcnft.algo.sampler import velocity
 
     dev, dtype, tr = policy.device, policy.compute_dtype, policy.transformer
     x = torch.zeros((1, *latent_shape), device=dev)

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from hpcnft.config import Config  # noqa: E402
+from hpcnft.common.config import Config  # noqa: E402
 
 SD3_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                 "text_encoder/config.json", "text_encoder_2/config.json", "text_encoder_3/config.json",
@@ -51,8 +51,8 @@ def resolve_model_paths(cfg: Config, build_tiny: bool = True) -> ModelPaths:
     m = cfg.models
     sd3, ps = m.sd3_dir, m.pickscore_dir
     if not sd3 or not ps:
-        from hpcnft.tiny import ensure_tiny_models
-        from hpcnft.tiny_cache import cache_dir
+        from hpcnft.models.tiny import ensure_tiny_models
+        from hpcnft.models.tiny_cache import cache_dir
 
         cache = m.tiny_cache or cache_dir()
         tiny_sd3, tiny_ps = ensure_tiny_models(cache) if build_tiny else (None, None)

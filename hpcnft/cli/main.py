@@ -9,15 +9,15 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("hpcnft.cli_run", "run the job (spawns the layout's ranks when no launcher is present)"),
-    "submit": ("hpcnft.submit_job", "submit a run through submitit (slurm, local or debug)"),
-    "make-tiny": ("hpcnft.cli_run", "write the tiny SD3 and PickScore model folders"),
-    "compare": ("hpcnft.report", "compare the metric series of two runs or standards"),
-    "show": ("hpcnft.report", "summarise a run file: config, topology, attempts, events, metrics"),
-    "plot": ("hpcnft.report", "plot metric curves of one or more runs to a PNG"),
-    "watch": ("hpcnft.report", "follow a live run, one line per new step"),
-    "export-metrics": ("hpcnft.report", "export metrics to CSV or TensorBoard"),
-    "export": ("hpcnft.export", "export trained weights of a checkpoint as a diffusers-loadable folder"),
+    "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
+    "submit": ("hpcnft.run.submit", "submit a run through submitit (slurm, local or debug)"),
+    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3 and PickScore model folders"),
+    "compare": ("hpcnft.cli.report", "compare the metric series of two runs or standards"),
+    "show": ("hpcnft.cli.report", "summarise a run file: config, topology, attempts, events, metrics"),
+    "plot": ("hpcnft.cli.report", "plot metric curves of one or more runs to a PNG"),
+    "watch": ("hpcnft.cli.report", "follow a live run, one line per new step"),
+    "export-metrics": ("hpcnft.cli.report", "export metrics to CSV or TensorBoard"),
+    "export": ("hpcnft.cli.export", "export trained weights of a checkpoint as a diffusers-loadable folder"),
     "bench": ("hpcnft.bench", "GPU throughput and MFU of each phase beside the plain diffusers/peft stack"),
 }
 

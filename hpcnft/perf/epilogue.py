@@ -44,7 +44,7 @@ _count_flops_as_addmm()
 def addmm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu(F.linear(x, weight, bias), approximate=OP_GELU[device]) as one GEMM with a GELU
     epilogue, in the autocast dtype when autocast is on (as F.linear would), else in x's."""
-    from hpcnft.fast import linear_dtype
+    from hpcnft.perf.levers import linear_dtype
 
     dtype = linear_dtype(x)
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
@@ -71,7 +71,7 @@ class EpilogueGELUMixin:
 def gelu_modules(transformer) -> list:
     from diffusers.models.activations import GELU
 
-    from hpcnft.fast import module_list
+    from hpcnft.perf.levers import module_list
 
     return module_list(transformer, "gelu_modules",
                        lambda t: [m for m in t.transformer_blocks.modules() if type(m) is GELU])
@@ -80,7 +80,7 @@ def gelu_modules(transformer) -> list:
 @contextlib.contextmanager
 def feed_forwards(transformer):
     """While inside, the blocks' GELU modules use the GEMM epilogue (where it applies)."""
-    from hpcnft.fast import mixed_in
+    from hpcnft.perf.levers import mixed_in
 
     modules = gelu_modules(transformer)
     with mixed_in(modules, EpilogueGELUMixin, "Epilogue"):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcnft.determinism import stable_hash
+from hpcnft.common.determinism import stable_hash
 
 
 def sigma_grid(scheduler, num_steps: int) -> torch.Tensor:

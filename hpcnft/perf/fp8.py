@@ -28,8 +28,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hpcnft import fused_qkv
-from hpcnft.fast import full_tensor, linear_dtype, mixed_in, module_list
+from hpcnft.perf import fused_qkv
+from hpcnft.perf.levers import full_tensor, linear_dtype, mixed_in, module_list
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -57,7 +57,7 @@ def gelu_quantize_rows(h: torch.Tensor, bias: torch.Tensor | None) -> tuple[torc
 
 @gelu_quantize_rows.register_kernel("cuda")
 def _gelu_quantize_rows_cuda(h, bias):
-    from hpcnft import fp8_kernels
+    from hpcnft.perf import fp8_kernels
 
     return fp8_kernels.gelu_quantize_rows(h, bias)
 

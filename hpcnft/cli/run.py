@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 
 def add_arguments(name: str, p) -> None:
@@ -27,7 +27,7 @@ def add_arguments(name: str, p) -> None:
 
 def main(name: str, args) -> int:
     if name == "make-tiny":
-        from hpcnft.tiny import build_tiny_models, tree_digest
+        from hpcnft.models.tiny import build_tiny_models, tree_digest
 
         sd3, ps = build_tiny_models(args.dir)
         print(f"{sd3}  sha256 {tree_digest(sd3)}")
@@ -38,8 +38,8 @@ def main(name: str, args) -> int:
 
 def preflight(cfg) -> None:
     """Bad input found before any rank starts: raise UsageError with one line."""
-    from hpcnft.models import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder)
-    from hpcnft.prompts import PromptFileError, read_prompt_file
+    from hpcnft.models.loading import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder)
+    from hpcnft.algo.prompts import PromptFileError, read_prompt_file
 
     try:
         read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
@@ -64,20 +64,20 @@ def default_run_dir(recipe: str) -> str:
 
 
 def tiny_models_built(cfg) -> bool:
-    from hpcnft.tiny_cache import built, cache_dir
+    from hpcnft.models.tiny_cache import built, cache_dir
 
     return built(cfg.models.tiny_cache or cache_dir())
 
 
 def check_existing_run(cfg) -> None:
     """A run dir that already holds a run may only be resumed with a compatible config."""
-    from hpcnft.config import ConfigError, differing_keys
-    from hpcnft.runfile import RunFileError, read_run
+    from hpcnft.common.config import ConfigError, differing_keys
+    from hpcnft.io.runfile import RunFileError, read_run
 
     try:
         resumable = False
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            from hpcnft.runner import check_resumable
+            from hpcnft.run.job import check_resumable
 
             resumable = check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None
         path = os.path.join(cfg.run_dir, "run.h5")
@@ -109,8 +109,8 @@ def check_run_dir(path: str) -> None:
 
 
 def run(args) -> int:
-    from hpcnft.config import ConfigError, load_config
-    from hpcnft.launch import LaunchError, detect
+    from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.dist.launch import LaunchError, detect
 
     try:
         cfg = load_config(args.recipe, args.overrides, steps=args.steps, run_dir=args.run_dir)
@@ -119,14 +119,14 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
         return spawn(cfg, args)
-    from hpcnft.runner import run_rank
+    from hpcnft.run.job import run_rank
 
     return run_rank(cfg, info, args.recipe)
 
 
 def spawn(cfg, args) -> int:
     """No launcher: check the input, build the tiny models once, then start the ranks."""
-    from hpcnft import distributed
+    from hpcnft.dist import groups
 
     os.umask(int(cfg.umask, 8))  # run dirs and files: private to the user by default (077)
     cfg.run_dir = cfg.run_dir or default_run_dir(args.recipe)
@@ -136,17 +136,17 @@ def spawn(cfg, args) -> int:
     except OSError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e.strerror}") from None
     if (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
-        from hpcnft.models import resolve_model_paths
+        from hpcnft.models.loading import resolve_model_paths
 
         resolve_model_paths(cfg)  # build them once here rather than in every rank
     world = 1 if cfg.layout.reward_ranks == 0 and cfg.layout.train_ranks == 1 else \
         cfg.layout.train_ranks + cfg.layout.reward_ranks
-    train, reward = distributed.roles(world, cfg.layout.reward_ranks)
+    train, reward = groups.roles(world, cfg.layout.reward_ranks)
     argv = ["run", args.recipe, "--run-dir", cfg.run_dir, *sum((["--set", o] for o in args.overrides), [])]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
           flush=True)
-    code = distributed.spawn_local(argv, world, lambda r: "reward" if r in reward else "train")
+    code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train")
     sys.stdout.flush()
     return code

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
-from hpcnft import determinism
+from hpcnft.common import determinism
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")

@@ -6,8 +6,8 @@ import os
 
 import h5py
 
-from hpcnft import runfile
-from hpcnft.compare import format_step
+from hpcnft.io import runfile
+from hpcnft.io.compare import format_step
 
 # Shown per step: label -> metric key.
 COLUMNS = {"reward": "rollout/reward/raw_mean", "nft_loss": "train/nft_loss", "grad_norm": "train/grad_norm"}

@@ -10,7 +10,7 @@ from importlib import resources
 
 import torch
 
-from hpcnft.determinism import stable_hash
+from hpcnft.common.determinism import stable_hash
 
 
 class PromptFileError(Exception):

@@ -19,11 +19,12 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from hpcnft import __version__, runfile, tbevents
-from hpcnft.cli import UsageError
-from hpcnft.compare import (CompareError, Comparison, compare_metrics, dumps_standard, format_step,
+from hpcnft import __version__
+from hpcnft.io import runfile, tbevents
+from hpcnft.cli.main import UsageError
+from hpcnft.io.compare import (CompareError, Comparison, compare_metrics, dumps_standard, format_step,
                             format_value, metrics_from_standard, standard_document)
-from hpcnft.live_run import RunFollower
+from hpcnft.io.live_run import RunFollower
 
 DEFAULT_PLOT_KEYS = ["rollout/reward/raw_mean", "train/nft_loss", "train/grad_norm", "train/nft_pos_loss",
                      "eval/pickscore_mean"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 POLICIES = {"trained": "model", "old": "old_policy"}
 
@@ -22,7 +22,7 @@ def add_arguments(name: str, p) -> None:
 
 
 def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
-    from hpcnft import checkpoint
+    from hpcnft.io import checkpoint
 
     found = checkpoint.list_checkpoints(run_dir)
     if step is not None:
@@ -39,10 +39,10 @@ def load_transformer(ckpt_path: str, policy: str):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hpcnft.checkpoint import SafeReader, read_json
-    from hpcnft.config import config_from_dict
-    from hpcnft.models import load_sd3_pipeline, resolve_model_paths
-    from hpcnft.trainer import add_lora
+    from hpcnft.io.checkpoint import SafeReader, read_json
+    from hpcnft.common.config import config_from_dict
+    from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
+    from hpcnft.algo.trainer import add_lora
 
     cfg = config_from_dict(read_json(ckpt_path, "config.json"))
     pipe = load_sd3_pipeline(resolve_model_paths(cfg).sd3, torch.float32, torch.device("cpu"))

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpcnft import fast, nft
-from hpcnft.config import Config
-from hpcnft.determinism import stable_hash
-from hpcnft.distributed import collective_device
-from hpcnft.perf import span
+from hpcnft.perf import levers
+from hpcnft.algo import nft
+from hpcnft.common.config import Config
+from hpcnft.common.determinism import stable_hash
+from hpcnft.dist.groups import collective_device
+from hpcnft.perf.mfu import span
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -108,7 +109,7 @@ class Policy:
         self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
         self.transformer = transformer
         self._prepare(mesh)
-        fast.prepare_policy(self)  # perf levers applied at construction (regional compile)
+        levers.prepare_policy(self)  # perf levers applied at construction (regional compile)
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
         self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.shadow = [_local(p).detach().clone() for p in self.trainable]
@@ -129,12 +130,12 @@ class Policy:
             # Under autocast the LoRA matmuls run in the compute dtype whatever the input's dtype:
             # peft's cast of each activation to the fp32 master dtype would only add an exact
             # round-trip copy (forward and backward) per LoRA linear.
-            for layer in fast.lora_layers(tr):
+            for layer in levers.lora_layers(tr):
                 layer.cast_input_dtype_enabled = False
         if cfg.grad_checkpointing:
             tr.enable_gradient_checkpointing()
         tr.to(self.device)
-        if not fast.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
+        if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
             return
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
         # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
@@ -151,14 +152,14 @@ class Policy:
     def old_weights(self, fp8_gemms: str | None = None):
         """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
         of the lever that asks for it) the blocks' GEMMs multiply in fp8 (hpcnft.fp8)."""
-        from hpcnft import fp8
+        from hpcnft.perf import fp8
 
         with torch.no_grad():
             live = [_local(p).detach().clone() for p in self.trainable]
             for p, s in zip(self.trainable, self.shadow):
                 _local(p).copy_(s)
         try:
-            with fast.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
+            with levers.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
                 with fp8.blocks_in_fp8(self.transformer, fp8_gemms) if fp8_gemms else contextlib.nullcontext():
                     yield
         finally:
@@ -168,11 +169,11 @@ class Policy:
 
     def rollout_weights(self):
         """pi_old for the rollout: old_weights, in fp8 under perf.rollout_fp8."""
-        return self.old_weights("perf.rollout_fp8" if fast.effective(self.cfg).rollout_fp8 else None)
+        return self.old_weights("perf.rollout_fp8" if levers.effective(self.cfg).rollout_fp8 else None)
 
     def v_old_weights(self):
         """pi_old for the train step's v_old pass: old_weights, in fp8 under perf.v_old_fp8."""
-        return self.old_weights("perf.v_old_fp8" if fast.effective(self.cfg).v_old_fp8 else None)
+        return self.old_weights("perf.v_old_fp8" if levers.effective(self.cfg).v_old_fp8 else None)
 
     @contextlib.contextmanager
     def base_weights(self):
@@ -191,8 +192,8 @@ class Policy:
 
     def autocast(self):
         if self.compute_dtype == torch.float32:
-            return fast.with_attention(self.cfg, contextlib.nullcontext())
-        return fast.with_attention(self.cfg, torch.autocast(self.device.type, dtype=self.compute_dtype))
+            return levers.with_attention(self.cfg, contextlib.nullcontext())
+        return levers.with_attention(self.cfg, torch.autocast(self.device.type, dtype=self.compute_dtype))
 
 
 def train_sigma_pairs(cfg: Config, sample_ids: list[int], step: int) -> list[tuple[int, int]]:
@@ -275,7 +276,7 @@ class Trainer:
     def _forward(self, x_sigma, sig, batch: PairBatch, index: torch.Tensor):
         """The live policy's velocity at the pairs whose samples `index` (on the rollout tensors'
         device) names."""
-        from hpcnft.sampler import velocity
+        from hpcnft.algo.sampler import velocity
 
         dev = self.policy.device
         with self.policy.autocast():
@@ -296,7 +297,7 @@ class Trainer:
         # rounding, the two branches then agree bit for bit.
         with span("train/old_pass"), torch.no_grad(), policy.v_old_weights():
             if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
-                v_old = fast.old_velocities(self, batch, mbs)
+                v_old = levers.old_velocities(self, batch, mbs)
             else:
                 v_old = [self._forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
         v_ref = None

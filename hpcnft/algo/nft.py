@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcnft.determinism import stable_hash
+from hpcnft.common.determinism import stable_hash
 
 WEIGHT_FLOOR = 1e-5
 STD_EPS = 1e-4

@@ -190,7 +190,7 @@ def prepare_policy(policy) -> None:
                 "perf.fused_lora: skipped, the LoRA linears are FSDP2 groups; on one rank set "
                 "perf.skip_single_rank_fsdp=true")
         else:
-            from hpcnft import fused_qkv
+            from hpcnft.perf import fused_qkv
 
             fused_qkv.install_fused_lora(policy.transformer)
     if perf.compile_blocks and policy.device.type == "cuda":
@@ -280,7 +280,7 @@ def nograd_weights(policy):
     """The levers of the old policy's no-grad passes (rollout, v_old): LoRA merged into the base
     (perf.merge_lora_nograd), then q/k/v fused on those weights (perf.fuse_qkv), and the
     feed-forwards' GELU in their first GEMM's epilogue (perf.gelu_epilogue)."""
-    from hpcnft import epilogue, fused_qkv
+    from hpcnft.perf import epilogue, fused_qkv
 
     perf = effective(policy.cfg)
     with contextlib.ExitStack() as stack:
@@ -363,7 +363,7 @@ def _merge_stacked(group) -> tuple[list, list]:
 
 def _merge_one(layer) -> tuple[list, list]:
     """The same for one layer of any kind peft has (several adapters, fan_in_fan_out, FSDP2 shards)."""
-    from hpcnft.trainer import _local
+    from hpcnft.algo.trainer import _local
 
     weight = layer.get_base_layer().weight
     local = _local(weight)

@@ -9,23 +9,27 @@ import time
 import torch
 import torch.distributed as dist
 
-from hpcnft import __version__, checkpoint, determinism, distributed, fast
-from hpcnft.config import Config, ConfigError, differing_keys, flatten
-from hpcnft.launch import LaunchInfo
-from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
+from hpcnft import __version__
+from hpcnft.io import checkpoint
+from hpcnft.common import determinism
+from hpcnft.dist import groups
+from hpcnft.perf import levers
+from hpcnft.common.config import Config, ConfigError, differing_keys, flatten
+from hpcnft.dist.launch import LaunchInfo
+from hpcnft.algo.iteration import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
                          log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
-from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
-from hpcnft.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
-from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
-from hpcnft.reward import PickScoreScorer
-from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
+from hpcnft.models.loading import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
+from hpcnft.dist.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
+from hpcnft.algo.prompts import PromptFileError, PromptStream, read_prompt_file
+from hpcnft.algo.reward import PickScoreScorer
+from hpcnft.dist.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
 
 def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
     """Every rank must write into the same run dir: rank 0's choice wins."""
-    from hpcnft.cli_run import default_run_dir
+    from hpcnft.cli.run import default_run_dir
 
     choice = [cfg.run_dir or default_run_dir(recipe)]
     dist.broadcast_object_list(choice, src=0)
@@ -52,7 +56,7 @@ def make_score_fn(cfg: Config, scorer: PickScoreScorer):
 def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
     paths = resolve_model_paths(cfg)
     scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
-    return fast.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
+    return levers.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
 
 
 def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
@@ -74,12 +78,12 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
 
 
 def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
-    from hpcnft.trainer import Policy, Trainer
+    from hpcnft.algo.trainer import Policy, Trainer
 
     seed_everything(cfg)
     paths = resolve_model_paths(cfg)
     pipe = load_sd3_pipeline(paths.sd3, torch.float32, topo.device)
-    fast.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
+    levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.device.type == "cuda" and cfg.train.precision != "fp32":
         dtype = torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16
         for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
@@ -145,7 +149,7 @@ class TrainJob:
         return step
 
     def open_run_file(self, start_step: int) -> None:
-        from hpcnft.runfile import EVAL_KEYS, RunFileWriter
+        from hpcnft.io.runfile import EVAL_KEYS, RunFileWriter
 
         cfg, topo = self.cfg, self.topo
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__)
@@ -301,8 +305,8 @@ def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> 
         print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
     try:
-        topo, group, mesh = distributed.setup(cfg, info)
-    except distributed.RendezvousError as e:
+        topo, group, mesh = groups.setup(cfg, info)
+    except groups.RendezvousError as e:
         print_err(str(e))
         return EXIT_FAILED
     agree_run_dir(cfg, recipe, topo)
@@ -322,5 +326,5 @@ def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> 
         log_exception(topo, e)
         print_err(fail_line(topo, e) + f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
         return EXIT_FAILED
-    distributed.teardown()
+    groups.teardown()
     return code

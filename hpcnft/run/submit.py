@@ -15,7 +15,7 @@ import time
 
 import submitit
 
-from hpcnft.cli import UsageError
+from hpcnft.cli.main import UsageError
 
 CLUSTERS = ("slurm", "local", "debug")
 
@@ -28,10 +28,10 @@ class HpcnftJob(submitit.helpers.Checkpointable):
     """The callable each submitit task runs. `checkpoint` (inherited) resubmits the same call."""
 
     def __call__(self, recipe: str, overrides: list[str], run_dir: str, steps: int | None) -> int:
-        from hpcnft.config import load_config
-        from hpcnft.launch import detect
-        from hpcnft.loop import EXIT_OK, EXIT_PREEMPTED
-        from hpcnft.runner import run_rank
+        from hpcnft.common.config import load_config
+        from hpcnft.dist.launch import detect
+        from hpcnft.algo.iteration import EXIT_OK, EXIT_PREEMPTED
+        from hpcnft.run.job import run_rank
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         os.environ["HPCNFT_LAUNCHER"] = "submitit"
@@ -82,8 +82,8 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
            account: str | None = None, mem_gb: float | None = None, folder: str | None = None):
     """Submit the job; returns the submitit Job. The run dir is fixed here, so every requeue
     of the job writes to (and resumes from) the same one."""
-    from hpcnft.cli_run import default_run_dir, preflight
-    from hpcnft.config import ConfigError, load_config
+    from hpcnft.cli.run import default_run_dir, preflight
+    from hpcnft.common.config import ConfigError, load_config
 
     overrides = list(overrides or [])
     run_dir = os.path.abspath(run_dir or default_run_dir(recipe))
@@ -100,7 +100,7 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
 
 
 def add_arguments(name: str, p) -> None:
-    from hpcnft.cli_run import add_arguments as add_run_arguments
+    from hpcnft.cli.run import add_arguments as add_run_arguments
 
     add_run_arguments("run", p)
     p.add_argument("--cluster", default="slurm", help="slurm, local or debug (in this process)")

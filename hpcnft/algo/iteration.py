@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft import determinism, nft
-from hpcnft.config import Config
-from hpcnft.distributed import Topology
-from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu, span
-from hpcnft.prompts import PromptStream, read_prompt_file
-from hpcnft.reward_service import EVAL, ROLLOUT
-from hpcnft.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, image_grid,
+from hpcnft.common import determinism
+from hpcnft.algo import nft
+from hpcnft.common.config import Config
+from hpcnft.dist.groups import Topology
+from hpcnft.perf.mfu import count_dit_flops, matmul_ceiling, mfu, span
+from hpcnft.algo.prompts import PromptStream, read_prompt_file
+from hpcnft.dist.reward_service import EVAL, ROLLOUT
+from hpcnft.algo.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, image_grid,
                             initial_noise, sigma_grid)
 
 log = logging.getLogger("hpcnft")
@@ -137,7 +138,7 @@ class TrainRank:
 
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
-        from hpcnft.trainer import PairBatch
+        from hpcnft.algo.trainer import PairBatch
 
         cfg = self.cfg
         t_start = time.perf_counter()

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from hpcnft.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
+from hpcnft.models.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
 # ----------------------------------------------------------------------------------------
 # Prompt corpus used to train the tiny tokenizers (and as demo prompts).
 # ----------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ def tree_digest(path: str) -> str:
 
 def build_tiny_models(out_dir: str) -> tuple[str, str]:
     """Write OUT/sd35_tiny and OUT/pickscore_tiny (replacing them); returns both paths."""
-    from hpcnft.models import quiet_libraries
+    from hpcnft.models.loading import quiet_libraries
 
     quiet_libraries()
     os.makedirs(out_dir, exist_ok=True)
@@ -424,7 +424,7 @@ def ensure_tiny_models(cache_dir: str) -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(done):
             build_tiny_models(cache_dir)
-            from hpcnft.models import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
+            from hpcnft.models.loading import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
 
             check_folder("models.sd3_dir", paths[0], SD3_REQUIRED)  # never mark a partial build done
             check_folder("models.pickscore_dir", paths[1], PICKSCORE_REQUIRED)

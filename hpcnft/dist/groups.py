@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpcnft.config import Config, ConfigError
-from hpcnft.launch import LaunchInfo
+from hpcnft.common.config import Config, ConfigError
+from hpcnft.dist.launch import LaunchInfo
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:

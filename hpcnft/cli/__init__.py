@@ -1,0 +1,4 @@
+"""The `hpcnft` command and its subcommands."""
+from hpcnft.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,1 @@
+"""The bottom layer: config, errors and exit codes, determinism, small torch helpers."""

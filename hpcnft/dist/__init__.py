@@ -1,0 +1,1 @@
+"""Processes: launcher detection, process groups and local spawning, the reward service, preemption."""

@@ -1,0 +1,1 @@
+"""Files: the run file, following a live run, checkpoints, metric comparison, TensorBoard export."""
