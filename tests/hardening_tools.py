@@ -384,8 +384,9 @@ def judge(what: str, rc, out: str, err: str, tb, allowed=(0, 2)) -> str | None:
 def resume_path(case_dir: str, config: dict) -> list[str]:
     """The resume path's view of a run dir holding the damaged run.h5."""
     from hpcnft.io import runfile
-    from hpcnft.cli.main import UsageError
-    from hpcnft.cli.run import check_existing_run
+    from hpcnft.io.run_writer import RunFileWriter
+    from hpcnft.common.errors import UsageError
+    from hpcnft.run.rundir import check_existing_run
     from hpcnft.common.config import config_from_dict
 
     problems = []
@@ -405,7 +406,7 @@ def resume_path(case_dir: str, config: dict) -> list[str]:
         pass  # a FIFO: RunFileWriter must refuse it rather than block
     opened = False
     try:
-        w = runfile.RunFileWriter(path, cfg.to_json(), "fuzz")
+        w = RunFileWriter(path, cfg.to_json(), "fuzz")
         opened = True
         try:
             w.set_topology({"world_size": 3})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcnft.perf import levers
+from hpcnft.perf import compiling, levers
 from hpcnft.models.tiny import TINY_TRANSFORMER
-from hpcnft.algo.trainer import add_lora
+from hpcnft.algo.policy import add_lora
 
 
 def tiny_lora_dit(cfg, base_dtype: torch.dtype = torch.float32, b_scale: float = 0.05):
@@ -77,7 +77,7 @@ def gpu_policy(compiled: bool, *overrides: str):
     cfg = load_config("tiny", list(overrides))
     tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to("cuda")
     if compiled:
-        levers.compile_blocks(tr)
+        compiling.compile_blocks(tr)
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 

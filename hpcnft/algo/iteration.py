@@ -1,40 +1,23 @@
-"""One iteration end to end, and the run from start (or resume) to finish, on one rank."""
+"""One NFT iteration on a train rank: rollout (sample, decode, reward), advantages, the train
+step and the EMA update of pi_old; and the evaluation."""
 from __future__ import annotations
 
-import logging
 import math
-import os
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hpcnft.common import determinism
 from hpcnft.algo import nft
 from hpcnft.common.config import Config
 from hpcnft.dist.groups import Topology
-from hpcnft.perf.mfu import count_dit_flops, matmul_ceiling, mfu, span
-from hpcnft.algo.prompts import PromptStream, read_prompt_file
+from hpcnft.algo.flops import count_dit_flops
+from hpcnft.perf.mfu import matmul_ceiling, mfu, span
+from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.dist.reward_service import EVAL, ROLLOUT
-from hpcnft.algo.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, image_grid,
+from hpcnft.algo.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample,
                             initial_noise, sigma_grid)
-
-log = logging.getLogger("hpcnft")
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
-
-
-def setup_logging(run_dir: str, rank: int) -> None:
-    os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
-    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
 
 # -- which samples a rank owns ---------------------------------------------------------
 def owned_range(n: int, topo: Topology) -> range:
@@ -70,14 +53,13 @@ class Rollout:
     wait_s: float
 
 
-class TrainRank:
-    """Everything a train rank holds: models, policy, optimizer, reward client, run file."""
+class Learner:
+    """What a train rank learns with: the pipeline, policy, trainer, prompt stream and reward client."""
 
     def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy, trainer):
         self.cfg, self.topo, self.group, self.mesh = cfg, topo, train_group, mesh
         self.client, self.pipe, self.policy, self.trainer = reward_client, pipe, policy, trainer
-        self.stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"),
-                                   cfg.data.shuffle, cfg.train.seed)
+        self.stream = train_stream(cfg)
         self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
         self.encoder = PromptEncoder(pipe, cfg.rollout.max_sequence_length, topo.device,
                                      cfg=cfg.rollout.guidance_scale > 1.0)
@@ -100,7 +82,7 @@ class TrainRank:
                           self.cfg.rollout.guidance_scale, self.policy.compute_dtype, self.policy.autocast)
         return x0, cond
 
-    def rollout(self, step: int, prompts: list[str]) -> Rollout:
+    def rollout(self, step: int) -> Rollout:
         cfg, g = self.cfg, self.cfg.rollout.samples_per_prompt
         t0 = time.perf_counter()
         mine = list(owned_range(cfg.samples_per_step, self.topo))
@@ -111,7 +93,8 @@ class TrainRank:
         with self.policy.rollout_weights():  # perf.rollout_fp8 (evaluation keeps its precision)
             for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
-                    x0, cond = self._generate([prompts[i // g] for i in chunk], self.sigmas, noise.result())
+                    x0, cond = self._generate(self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g),
+                                              self.sigmas, noise.result())
                 with span("rollout/decode"):
                     images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
                 with span("rollout/reward_submit"):
@@ -138,15 +121,14 @@ class TrainRank:
 
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
-        from hpcnft.algo.trainer import PairBatch
+        from hpcnft.algo.pairs import PairBatch
 
         cfg = self.cfg
         t_start = time.perf_counter()
-        prompts = self.stream.for_step(step, cfg.rollout.prompts_per_step)
         mine = owned_range(cfg.samples_per_step, self.topo)
         if self.topo.device.type == "cuda":  # the host draws the pairs' noise while the GPU samples
             self.trainer.noise.prefetch(step, list(mine), self.latent_shape, pin=True)
-        ro = self.rollout(step, prompts)
+        ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
         adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator)
         r = nft.optimality_r(adv, cfg.nft.adv_clip_max)
@@ -197,37 +179,3 @@ class TrainRank:
             local = [x for part in everyone for x in part]
         scores = torch.tensor([s for _, s in sorted(local)], dtype=torch.float64)
         return {"eval/pickscore_mean": scores.mean().item(), "eval/pickscore_std": scores.std(unbiased=False).item()}
-
-
-def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, first_step: int) -> str:
-    done = step - first_step + 1
-    eta = elapsed / done * (steps - step)
-    return (f"step {step}/{steps} | reward {m['rollout/reward/raw_mean']:.4f} ± {m['rollout/reward/raw_std']:.4f} "
-            f"| nft_loss {m['train/nft_loss']:.4f} | grad_norm {m['train/grad_norm']:.3e} "
-            f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
-
-
-def save_grid(run_dir: str, step: int, images: torch.Tensor, n: int) -> str:
-    from PIL import Image
-
-    os.makedirs(os.path.join(run_dir, "samples"), mode=0o700, exist_ok=True)
-    path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
-    Image.fromarray(image_grid(images[:n].numpy())).save(path)
-    return path
-
-
-def fail_line(topo: Topology, e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {text[0] if text else ''}"
-
-
-def print_err(line: str) -> None:
-    print(f"hpcnft: {line}", file=sys.stderr, flush=True)
-
-
-def log_exception(topo: Topology, e: BaseException) -> None:
-    log.error("%s\n%s", fail_line(topo, e), traceback.format_exc())
-
-
-def seed_everything(cfg: Config) -> None:
-    determinism.seed_globals(cfg.train.seed)

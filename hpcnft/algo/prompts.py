@@ -58,3 +58,14 @@ class PromptStream:
     def for_step(self, step: int, per_step: int) -> list[str]:
         start = (step - 1) * per_step
         return [self.at(start + j) for j in range(per_step)]
+
+    def for_samples(self, step: int, sample_ids, per_step: int, per_prompt: int) -> list[str]:
+        """The prompt each sample of a step is generated from and scored against: a step's
+        samples come `per_prompt` to a prompt, in the order of the step's prompts."""
+        return [self.at((step - 1) * per_step + i // per_prompt) for i in sample_ids]
+
+
+def train_stream(cfg) -> PromptStream:
+    """The run's stream of training prompts (every rank holds its own copy)."""
+    return PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,
+                        cfg.train.seed)

@@ -78,3 +78,22 @@ class PickScoreScorer:
         txt = txt / txt.norm(dim=-1, keepdim=True)
         scores = self.model.logit_scale.exp() * (img * txt).sum(-1) / PICKSCORE_DIVISOR
         return scores.float().cpu()
+
+
+def make_score_fn(cfg, scorer: PickScoreScorer):
+    """(kind, step, images, sample ids) -> scores. A rank scores with its own copy of the prompt
+    files, against the prompt each sample was generated from (PromptStream.for_samples); the
+    training reward is reward.scale times PickScore, the evaluation's plain PickScore."""
+    from hpcnft.algo.prompts import read_prompt_file, train_stream
+    from hpcnft.dist.reward_service import EVAL
+
+    stream = train_stream(cfg)
+    eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+    p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+
+    def score(kind: int, step: int, images: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        if kind == EVAL:
+            return scorer([eval_prompts[i] for i in ids], images)
+        return cfg.reward.scale * scorer(stream.for_samples(step, ids, p, g), images)
+
+    return score

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hpcnft.common.determinism import stable_hash
+from hpcnft.algo.nft import dit_timestep
 
 
 def sigma_grid(scheduler, num_steps: int) -> torch.Tensor:
@@ -90,7 +91,7 @@ class PromptEncoder:
 def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
              pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma."""
-    return transformer(hidden_states=x.to(dtype), timestep=sigma.to(torch.float32) * 1000.0,
+    return transformer(hidden_states=x.to(dtype), timestep=dit_timestep(sigma),
                        encoder_hidden_states=prompt_embeds.to(dtype), pooled_projections=pooled.to(dtype),
                        return_dict=False)[0]
 

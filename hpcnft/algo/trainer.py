@@ -1,32 +1,21 @@
-"""The trained DiT: LoRA (peft) or full fine-tune under FSDP2, the old policy as an EMA shadow,
-AdamW, gradient clipping, a loss scaler for fp16, and one NFT optimizer step.
-
-The old policy pi_old is a shadow copy of the trainable parameters. It is swapped into the live
-parameters (no gradient) to sample rollouts and to compute v_old, as miles' `--ref-mode ema`.
-"""
+"""One NFT optimizer step of the policy: the pairs' inputs, v_old (and the KL reference) in
+no-grad passes, the trained forward, loss and backward per micro-batch, AdamW with gradient
+clipping, and a loss scaler for fp16."""
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpcnft.perf import levers
 from hpcnft.algo import nft
+from hpcnft.algo.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_pairs
+from hpcnft.algo.policy import Policy
 from hpcnft.common.config import Config
-from hpcnft.common.determinism import stable_hash
 from hpcnft.dist.groups import collective_device
+from hpcnft.perf import levers
 from hpcnft.perf.mfu import span
-
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a parameter (FSDP2 holds them as DTensors)."""
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 class LossScaler:
@@ -60,191 +49,6 @@ class LossScaler:
         self.growth_tracker = int(state["growth_tracker"])
 
 
-@dataclass
-class PairBatch:
-    """The pairs (sample, sigma) this rank trains on in one step, sample-major."""
-    x0: torch.Tensor  # [n_samples, C, H, W] float32
-    prompt_embeds: torch.Tensor  # [n_samples, L, D]
-    pooled: torch.Tensor  # [n_samples, D]
-    adv: torch.Tensor  # [n_samples] float64
-    r: torch.Tensor  # [n_samples] float64
-    sample_ids: list[int]  # global ids (stable across layouts) used to seed sigma order and noise
-    n_global_pairs: int  # pairs of the whole optimizer step over all train ranks
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch's pairs, ready on the train device before any forward runs: every tensor
-    a forward or the loss reads is made here, so the step copies nothing host-to-device (each such
-    copy would wait for the GPU to drain) between micro-batches."""
-    pos: torch.Tensor  # local sample positions, on the host (host metric sums)
-    index: torch.Tensor  # the same, on the device of the rollout tensors (their gathers)
-    sigma: torch.Tensor  # [m] float32, train device
-    x0: torch.Tensor
-    x_sigma: torch.Tensor
-    r: torch.Tensor  # [m] float64, train device
-
-
-def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
-    """peft LoRA on the configured projections, 'gaussian' init (B = 0: the step-0 model is the
-    base), trained weights in fp32."""
-    from peft import LoraConfig
-
-    t = cfg.train
-    lora = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
-                      target_modules=list(t.lora_targets))
-    # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
-    # global state back so nothing else depends on this draw.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(stable_hash("lora_init", t.seed))
-        transformer.add_adapter(lora)
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-
-
-class Policy:
-    def __init__(self, cfg: Config, transformer: torch.nn.Module, device: torch.device, mesh):
-        self.cfg, self.device = cfg, device
-        self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
-        self.transformer = transformer
-        self._prepare(mesh)
-        levers.prepare_policy(self)  # perf levers applied at construction (regional compile)
-        self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
-        self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
-        self.shadow = [_local(p).detach().clone() for p in self.trainable]
-
-    def _prepare(self, mesh) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        cfg, tr = self.cfg.train, self.transformer
-        if cfg.finetune == "lora":
-            add_lora(self.transformer, self.cfg)
-        else:
-            tr.requires_grad_(True)
-        # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
-        if self.compute_dtype != torch.float32:
-            for p in tr.parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(self.compute_dtype)
-            # Under autocast the LoRA matmuls run in the compute dtype whatever the input's dtype:
-            # peft's cast of each activation to the fp32 master dtype would only add an exact
-            # round-trip copy (forward and backward) per LoRA linear.
-            for layer in levers.lora_layers(tr):
-                layer.cast_input_dtype_enabled = False
-        if cfg.grad_checkpointing:
-            tr.enable_gradient_checkpointing()
-        tr.to(self.device)
-        if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
-            return
-        # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
-        # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
-        if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
-            for module in tr.modules():
-                if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
-                    fully_shard(module, mesh=mesh)
-        for block in tr.transformer_blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(tr, mesh=mesh)
-
-    # -- old policy ----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def old_weights(self, fp8_gemms: str | None = None):
-        """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
-        of the lever that asks for it) the blocks' GEMMs multiply in fp8 (hpcnft.fp8)."""
-        from hpcnft.perf import fp8
-
-        with torch.no_grad():
-            live = [_local(p).detach().clone() for p in self.trainable]
-            for p, s in zip(self.trainable, self.shadow):
-                _local(p).copy_(s)
-        try:
-            with levers.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
-                with fp8.blocks_in_fp8(self.transformer, fp8_gemms) if fp8_gemms else contextlib.nullcontext():
-                    yield
-        finally:
-            with torch.no_grad():
-                for p, x in zip(self.trainable, live):
-                    _local(p).copy_(x)
-
-    def rollout_weights(self):
-        """pi_old for the rollout: old_weights, in fp8 under perf.rollout_fp8."""
-        return self.old_weights("perf.rollout_fp8" if levers.effective(self.cfg).rollout_fp8 else None)
-
-    def v_old_weights(self):
-        """pi_old for the train step's v_old pass: old_weights, in fp8 under perf.v_old_fp8."""
-        return self.old_weights("perf.v_old_fp8" if levers.effective(self.cfg).v_old_fp8 else None)
-
-    @contextlib.contextmanager
-    def base_weights(self):
-        """The frozen base model (LoRA adapters off), for the KL reference."""
-        self.transformer.disable_adapters()
-        try:
-            yield
-        finally:
-            self.transformer.enable_adapters()
-
-    @torch.no_grad()
-    def ema_update(self, decay: float) -> None:
-        """theta_old <- decay * theta_old + (1 - decay) * theta."""
-        for s, p in zip(self.shadow, self.trainable):
-            s.mul_(decay).add_(_local(p).detach(), alpha=1.0 - decay)
-
-    def autocast(self):
-        if self.compute_dtype == torch.float32:
-            return levers.with_attention(self.cfg, contextlib.nullcontext())
-        return levers.with_attention(self.cfg, torch.autocast(self.device.type, dtype=self.compute_dtype))
-
-
-def train_sigma_pairs(cfg: Config, sample_ids: list[int], step: int) -> list[tuple[int, int]]:
-    """(local sample position, sigma grid index) for every pair, sample-major."""
-    out = []
-    for pos, sid in enumerate(sample_ids):
-        idx = nft.trained_sigma_indices(cfg.rollout.num_steps, cfg.nft.timestep_fraction,
-                                        cfg.nft.timestep_strategy, cfg.nft.shuffle_timesteps, cfg.train.seed,
-                                        stable_hash(step, sid))
-        out += [(pos, j) for j in idx]
-    return out
-
-
-def pair_noise(cfg: Config, step: int, sid: int, sigma_index: int, shape) -> torch.Tensor:
-    g = torch.Generator().manual_seed(stable_hash("nft_corrupt", cfg.train.seed, step, sid, sigma_index))
-    return torch.randn(shape, generator=g, dtype=torch.float32)
-
-
-class PairNoise:
-    """The corruption noise of a step's pairs, drawn on the host from per-pair generators (so it
-    does not depend on the layout). `prefetch` draws it in a worker thread, into pinned memory,
-    while the rollout keeps the GPU busy (drawing it at the start of the train step left the GPU
-    idle ~0.2 s an iteration at the real shapes); `take` returns it, or draws it now when nothing
-    was prefetched for this step and these samples. Same values either way."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self._pending = None  # (step, sample ids, shape, future)
-        self._pool = None
-
-    def draw(self, step: int, sample_ids: list[int], pairs: list[tuple[int, int]], shape: tuple,
-             pin: bool = False) -> torch.Tensor:
-        eps = torch.stack([pair_noise(self.cfg, step, sample_ids[p], j, shape) for p, j in pairs])
-        return eps.pin_memory() if pin else eps
-
-    def prefetch(self, step: int, sample_ids: list[int], shape: tuple, pin: bool) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcnft-noise")
-        ids, shape = list(sample_ids), tuple(shape)
-        pairs = train_sigma_pairs(self.cfg, ids, step)
-        self._pending = (step, ids, shape, self._pool.submit(self.draw, step, ids, pairs, shape, pin))
-
-    def take(self, step: int, sample_ids: list[int], pairs: list[tuple[int, int]], shape: tuple) -> torch.Tensor:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[:3] == (step, list(sample_ids), tuple(shape)):
-            return pending[3].result()  # re-raises the worker's exception here
-        return self.draw(step, list(sample_ids), pairs, tuple(shape))
-
-
 class Trainer:
     # Sums of the step's metrics: those of device tensors are kept on the device (no sync per
     # micro-batch), those of host tensors on the host.
@@ -260,11 +64,13 @@ class Trainer:
         self.scaler = LossScaler(cfg.train.grad_scaler_init, enabled=cfg.train.precision == "fp16")
         self.noise = PairNoise(cfg)
 
-    def _micro_batches(self, pairs: list, size: int):
+    def micro_batches(self, pairs: list, size: int):
         for i in range(0, len(pairs), size):
             yield pairs[i:i + size]
 
-    def _inputs(self, batch: PairBatch, sigmas: torch.Tensor, mb: list[tuple[int, int]], eps: torch.Tensor) -> MicroBatch:
+    # -- the pieces of a step (public: the bench measures them one at a time) ------------------
+    def inputs(self, batch: PairBatch, sigmas: torch.Tensor, mb: list[tuple[int, int]], eps: torch.Tensor) -> MicroBatch:
+        """One micro-batch's pairs, `mb` as (local sample position, sigma index), on the train device."""
         dev = self.policy.device
         pos = torch.tensor([p for p, _ in mb])
         index = pos.to(batch.x0.device)
@@ -273,7 +79,7 @@ class Trainer:
         x_sigma = nft.corrupt(x0, sig, eps.to(dev, non_blocking=eps.is_pinned()))
         return MicroBatch(pos, index, sig, x0, x_sigma, batch.r[pos].to(dev))
 
-    def _forward(self, x_sigma, sig, batch: PairBatch, index: torch.Tensor):
+    def forward(self, x_sigma, sig, batch: PairBatch, index: torch.Tensor):
         """The live policy's velocity at the pairs whose samples `index` (on the rollout tensors'
         device) names."""
         from hpcnft.algo.sampler import velocity
@@ -290,20 +96,20 @@ class Trainer:
         with span("train/inputs"):
             eps = self.noise.take(step, batch.sample_ids, pairs, tuple(batch.x0.shape[1:]))
             size = cfg.train.micro_batch
-            mbs = [self._inputs(batch, sigmas, mb, eps[i * size:i * size + len(mb)])
-                   for i, mb in enumerate(self._micro_batches(pairs, size))]
+            mbs = [self.inputs(batch, sigmas, mb, eps[i * size:i * size + len(mb)])
+                   for i, mb in enumerate(self.micro_batches(pairs, size))]
         # v_old (and the KL reference) for every micro-batch first, in the same composition as the
         # trained forward: with pi_old == pi_theta and no lever that changes the no-grad passes'
         # rounding, the two branches then agree bit for bit.
         with span("train/old_pass"), torch.no_grad(), policy.v_old_weights():
             if cfg.perf.old_pass_batch > 0:  # one batched no-grad pass over all pairs
-                v_old = levers.old_velocities(self, batch, mbs)
+                v_old = levers.old_velocities(self.forward, cfg.perf.old_pass_batch, batch, mbs)
             else:
-                v_old = [self._forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
+                v_old = [self.forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
         v_ref = None
         if cfg.nft.kl_beta > 0:
             with torch.no_grad(), policy.base_weights():
-                v_ref = [self._forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
+                v_ref = [self.forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
         self.optimizer.zero_grad(set_to_none=True)
         dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=policy.device)
         host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
@@ -312,7 +118,7 @@ class Trainer:
         used_scale = self.scaler.scale
         for i, mb in enumerate(mbs):
             with span("train/micro_batch"):
-                dev_part, host_part = self._micro_batch(batch, mb, v_old[i], v_ref[i] if v_ref else None,
+                dev_part, host_part = self.micro_batch(batch, mb, v_old[i], v_ref[i] if v_ref else None,
                                                         loss_norm, used_scale)
             dev_sums += dev_part
             host_sums += host_part
@@ -325,13 +131,13 @@ class Trainer:
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
                              used_scale)
 
-    def _micro_batch(self, batch: PairBatch, mb: MicroBatch, v_old: torch.Tensor, v_ref, loss_norm: float,
+    def micro_batch(self, batch: PairBatch, mb: MicroBatch, v_old: torch.Tensor, v_ref, loss_norm: float,
                      scale: float):
         """Forward, NFT loss and backward of one micro-batch (gradients accumulate); returns its
         metric sums (DEVICE_SUMS on the device, HOST_SUMS on the host)."""
         cfg = self.cfg
         pos, sig, x0, x_sigma, r = mb.pos, mb.sigma, mb.x0, mb.x_sigma, mb.r
-        v_theta = self._forward(x_sigma, sig, batch, mb.index)
+        v_theta = self.forward(x_sigma, sig, batch, mb.index)
         v_pos, v_neg = nft.implicit_policies(v_theta.float(), v_old.float(), cfg.nft.beta)
         l_pos = nft.branch_loss(x_sigma, x0, sig, v_pos, cfg.nft.adaptive_weight)
         l_neg = nft.branch_loss(x_sigma, x0, sig, v_neg, cfg.nft.adaptive_weight)

@@ -25,6 +25,7 @@ package's path), levers, report, profiling, run (Bench and the command line).
 """
 from __future__ import annotations
 
-from hpcnft.bench.run import Bench, add_arguments, main
+from hpcnft.bench.command import add_arguments, main
+from hpcnft.bench.run import Bench
 
 __all__ = ["Bench", "add_arguments", "main"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hpcnft.bench.shapes import Shapes
-from hpcnft.cli.main import UsageError
+from hpcnft.common.errors import UsageError
 
 LEVER_SWEEP = [
     {"perf.attention_backend": "flash"}, {"perf.attention_backend": "cudnn"},

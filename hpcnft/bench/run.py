@@ -1,7 +1,6 @@
 """`hpcnft bench`: time, FLOPs and MFU of each phase of one DiffusionNFT iteration (see __init__)."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -11,11 +10,11 @@ import time
 
 from hpcnft.bench.eager import EagerStack
 from hpcnft.bench.levers import expand_levers, fast_overrides
-from hpcnft.bench.report import _fmt_ms, environment, markdown, targets
-from hpcnft.bench.shapes import SHAPES, TRAIN_K, Shapes, _torch
-from hpcnft.bench.stack import HpcnftStack, _toml, bench_config
+from hpcnft.bench.report import _fmt_ms, environment, targets
+from hpcnft.bench.shapes import TRAIN_K, Shapes, _torch
+from hpcnft.bench.stack import HpcnftStack, _toml
 from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
-from hpcnft.cli.main import UsageError
+from hpcnft.common.errors import first_line
 
 SCHEMA = "hpcnft-bench/1"
 
@@ -54,7 +53,7 @@ class Bench:
     def error(self, rec: dict, name: str, e: Exception) -> str:
         """Record a failed measurement (the run goes on) and return its message."""
         torch = _torch()
-        msg = f"{rec['key']}:{name}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        msg = f"{rec['key']}:{name}: {type(e).__name__}: {first_line(e)[:300]}"
         self.doc["errors"].append(msg)
         self.log("ERROR " + msg)
         if self.dev.type == "cuda":
@@ -322,92 +321,5 @@ class Bench:
         self.keep_change(stack, self.run_stack(stack, phases, False), "lever", name, "default")
 
 
-PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
-
-
 def _change_name(change: dict) -> str:
     return ",".join(f"{k}={_toml(v)}" for k, v in change.items())
-
-
-def _phase_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PHASES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown phase {', '.join(unknown) or repr(text)} "
-                                         f"(choose from {', '.join(PHASES)})")
-    return names
-
-
-def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", choices=sorted(SHAPES), default="sd35m",
-                   help="sd35m: the real SD3.5-M/VAE/CLIP-H shapes (needs CUDA); tiny: the tiny models (CPU is fine)")
-    p.add_argument("--baseline", action="store_true",
-                   help="also measure the plain diffusers + peft eager stack, and print the ratios")
-    p.add_argument("--json", metavar="OUT", help="write the results as JSON here (rewritten after every phase)")
-    p.add_argument("--levers", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="single levers measured one at a time against hpcnft default, e.g. "
-                        "attention_backend=cudnn perf.compile_blocks=true, or 'all' for the standard sweep")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="change the 'hpcnft fast' combination (default: hpcnft.fast.FAST), repeatable")
-    p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
-                   help="also measure 'hpcnft fast' with these changes on top (a KEY without a dot is perf.*), "
-                        "after it in the same process, at its phases and batch sizes; repeatable")
-    p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
-                   help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
-    p.add_argument("--iteration-warm", type=int, default=1,
-                   help="untimed whole iterations of the hpcnft stacks first (default 1: an iteration meets shapes "
-                        "its phases do not, the VAE and v_old at the rollout batch, and compiles them)")
-    p.add_argument("--iteration-reps", type=int, default=1,
-                   help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
-    p.add_argument("--all-shapes", action="store_true",
-                   help="measure 'hpcnft fast' at every rollout batch and micro-batch too (more compiles)")
-    p.add_argument("--phases", type=_phase_list, default=list(PHASES), metavar="NAME[,NAME]",
-                   help=f"measure only these phases of every stack (default: all of {','.join(PHASES)}); "
-                        "e.g. 'iteration' for whole iterations alone")
-    p.add_argument("--own-shapes", action="store_true",
-                   help="measure 'hpcnft fast' at its own rollout batch and micro-batch only, not also at the "
-                        "eager stack's (fewer compiles)")
-    p.add_argument("--no-default", action="store_true", help="skip the 'hpcnft default' stack")
-    p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
-    p.add_argument("--profile", metavar="DIR",
-                   help="after the 'hpcnft fast' phases, profile one rollout forward and one train-pairs call "
-                        "(torch.profiler): DIR/profile-*.txt, and a summary by kernel kind in the JSON")
-
-
-def main(name: str, args: argparse.Namespace) -> int:
-    args.argv = sys.argv[sys.argv.index("bench") + 1:] if "bench" in sys.argv[1:2] else []
-    import torch
-
-    S = SHAPES[args.shapes]()
-    if args.shapes == "sd35m" and not torch.cuda.is_available():
-        raise UsageError("--shapes sd35m needs a CUDA device and none is available (use --shapes tiny on a CPU)")
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    fast_over = fast_overrides(S, dev, args.overrides)
-    for over in expand_levers(args.levers, dev, S) + [fast_over] + [
-            {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:
-        bench_config(S, dev, over)  # bad specs and config values fail before anything is built
-    if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(d):
-            raise UsageError(f"--json {args.json!r}: folder {d!r} does not exist")
-    if args.profile:
-        try:
-            os.makedirs(args.profile, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--profile {args.profile!r}: {e.strerror or e}") from None
-    from hpcnft.models.loading import quiet_libraries
-
-    quiet_libraries()
-    bench = Bench(args, S, dev)
-    try:
-        doc = bench.run()
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    print(markdown(doc))
-    return 0

@@ -6,7 +6,7 @@ import json
 
 from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_vae, clip_processor,
                                  prompt_list, random_images, scheduler, smooth_images, world1_mesh)
-from hpcnft.cli.main import UsageError
+from hpcnft.common.errors import UsageError
 
 
 def _toml(v) -> str:
@@ -64,7 +64,7 @@ def bench_config(S: Shapes, dev, overrides: dict):
 
 
 class HpcnftStack:
-    """The package's code path: Policy + Trainer + TrainRank, sampler and reward functions."""
+    """The package's code path: Policy + Trainer + Learner, sampler and reward functions."""
 
     def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict):
         self.key, self.label, self.S, self.dev = key, label, S, dev
@@ -77,7 +77,7 @@ class HpcnftStack:
 
     @property
     def dtype(self):
-        from hpcnft.algo.trainer import AUTOCAST_DTYPES
+        from hpcnft.algo.policy import AUTOCAST_DTYPES
 
         return AUTOCAST_DTYPES.get(self.cfg.train.precision, _torch().float32)
 
@@ -85,7 +85,8 @@ class HpcnftStack:
     def policy(self):
         if self._policy is None:
             from hpcnft.algo.sampler import sigma_grid
-            from hpcnft.algo.trainer import Policy, Trainer
+            from hpcnft.algo.policy import Policy
+            from hpcnft.algo.trainer import Trainer
 
             mesh = world1_mesh(self.dev)
             self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
@@ -115,28 +116,20 @@ class HpcnftStack:
     def train_rank(self):
         if self._tr is None:
             from hpcnft.dist.groups import Topology
-            from hpcnft.algo.iteration import TrainRank
+            from hpcnft.algo.iteration import Learner
             from hpcnft.dist.reward_service import LocalRewardClient
 
             policy = self.policy
             topo = Topology(0, 1, 0, [0], [], "bench", "nccl" if self.dev.type == "cuda" else "gloo", self.dev)
             pipe = _Pipe(policy.transformer, self.vae, self.S, self.dtype, self.dev)
-            self._tr = TrainRank(self.cfg, topo, None, world1_mesh(self.dev), LocalRewardClient(self._score_fn()),
-                                 pipe, policy, self.trainer)
+            self._tr = Learner(self.cfg, topo, None, world1_mesh(self.dev), LocalRewardClient(self._score_fn()),
+                               pipe, policy, self.trainer)
         return self._tr
 
     def _score_fn(self):
-        """runner.make_score_fn's rule: the prompt of sample i of step s from the train stream."""
-        from hpcnft.algo.prompts import PromptStream, read_prompt_file
+        from hpcnft.algo.reward import make_score_fn
 
-        cfg, scorer = self.cfg, self.scorer
-        stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,
-                              cfg.train.seed)
-        p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-
-        def score(kind, step, images, ids):
-            return scorer([stream.at((step - 1) * p + i // g) for i in ids], images)
-        return score
+        return make_score_fn(self.cfg, self.scorer)
 
     def _cond(self, n: int, seed: int = 0):
         torch = _torch()
@@ -224,11 +217,11 @@ class HpcnftStack:
                 "pickscore_mean_shift": float((s8 - s16).mean()), "pickscore_std": float(s16.std())}
 
     def _pair_batch(self, mb: int):
-        """A PairBatch of `mb` rollout samples (seeded), on the device as TrainRank.rollout leaves
+        """A PairBatch of `mb` rollout samples (seeded), on the device as Learner.rollout leaves
         them for Trainer.step."""
         torch = _torch()
         from hpcnft.algo import nft
-        from hpcnft.algo.trainer import PairBatch
+        from hpcnft.algo.pairs import PairBatch
 
         self.policy
         x0 = self._latent(mb, seed=7).to(self.dev)
@@ -247,13 +240,13 @@ class HpcnftStack:
         scale of what the compute dtype's own rounding already costs."""
         torch = _torch()
         from hpcnft.algo.sampler import velocity
-        from hpcnft.algo.trainer import _local
+        from hpcnft.common.tensors import local_shard
 
         policy, trainer, cfg = self.policy, self.trainer, self.cfg
         batch = self._pair_batch(mb)
         pairs = [(p, p % cfg.rollout.num_steps) for p in range(mb)]
         eps = torch.randn(mb, *batch.x0.shape[1:], generator=torch.Generator().manual_seed(10))
-        m = trainer._inputs(batch, self.sigmas, pairs, eps)
+        m = trainer.inputs(batch, self.sigmas, pairs, eps)
         scale = trainer.scaler.scale
         half = policy.compute_dtype != torch.float32
         out = {}
@@ -265,11 +258,11 @@ class HpcnftStack:
                             v_old = velocity(policy.transformer, m.x_sigma, m.sigma, batch.prompt_embeds[m.index],
                                              batch.pooled[m.index], torch.float32).float()
                     else:
-                        v_old = trainer._forward(m.x_sigma, m.sigma, batch, m.index).float()
+                        v_old = trainer.forward(m.x_sigma, m.sigma, batch, m.index).float()
                 for p in policy.trainable:
                     p.grad = None
-                sums, _ = trainer._micro_batch(batch, m, v_old, None, 1.0 / mb, scale)
-                grad = torch.cat([_local(p.grad).float().flatten() / scale for p in policy.trainable
+                sums, _ = trainer.micro_batch(batch, m, v_old, None, 1.0 / mb, scale)
+                grad = torch.cat([local_shard(p.grad).float().flatten() / scale for p in policy.trainable
                                   if p.grad is not None])
                 out[how] = (v_old, float(sums[0]) / mb, grad)
         finally:

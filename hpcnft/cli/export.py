@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from hpcnft.cli.main import UsageError
+from hpcnft.common.errors import UsageError
 
 POLICIES = {"trained": "model", "old": "old_policy"}
 
@@ -42,7 +42,7 @@ def load_transformer(ckpt_path: str, policy: str):
     from hpcnft.io.checkpoint import SafeReader, read_json
     from hpcnft.common.config import config_from_dict
     from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
-    from hpcnft.algo.trainer import add_lora
+    from hpcnft.algo.policy import add_lora
 
     cfg = config_from_dict(read_json(ckpt_path, "config.json"))
     pipe = load_sd3_pipeline(resolve_model_paths(cfg).sd3, torch.float32, torch.device("cpu"))

@@ -7,10 +7,12 @@ import argparse
 import importlib
 import sys
 
+from hpcnft.common.errors import UsageError
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
-    "submit": ("hpcnft.run.submit", "submit a run through submitit (slurm, local or debug)"),
+    "submit": ("hpcnft.cli.submit", "submit a run through submitit (slurm, local or debug)"),
     "make-tiny": ("hpcnft.cli.run", "write the tiny SD3 and PickScore model folders"),
     "compare": ("hpcnft.cli.report", "compare the metric series of two runs or standards"),
     "show": ("hpcnft.cli.report", "summarise a run file: config, topology, attempts, events, metrics"),
@@ -27,10 +29,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit code 2."""
 
 
 def _top_parser() -> argparse.ArgumentParser:

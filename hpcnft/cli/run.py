@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
-from hpcnft.cli.main import UsageError
+from hpcnft.common.errors import UsageError
+from hpcnft.run.rundir import default_run_dir, preflight, tiny_models_built
 
 
 def add_arguments(name: str, p) -> None:
@@ -33,82 +33,10 @@ def main(name: str, args) -> int:
         print(f"{sd3}  sha256 {tree_digest(sd3)}")
         print(f"{ps}  sha256 {tree_digest(ps)}")
         return 0
-    return run(args)
+    return start(args)
 
 
-def preflight(cfg) -> None:
-    """Bad input found before any rank starts: raise UsageError with one line."""
-    from hpcnft.models.loading import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder)
-    from hpcnft.algo.prompts import PromptFileError, read_prompt_file
-
-    try:
-        read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
-        read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
-        m = cfg.models
-        if m.sd3_dir:
-            check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
-        if m.pickscore_dir:
-            check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
-        if m.pickscore_processor_dir or m.pickscore_dir:
-            check_folder("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
-                         PROCESSOR_REQUIRED)
-    except (ModelError, PromptFileError) as e:
-        raise UsageError(str(e)) from None
-    check_run_dir(cfg.run_dir)
-    check_existing_run(cfg)
-
-
-def default_run_dir(recipe: str) -> str:
-    name = os.path.splitext(os.path.basename(recipe))[0]
-    return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def tiny_models_built(cfg) -> bool:
-    from hpcnft.models.tiny_cache import built, cache_dir
-
-    return built(cfg.models.tiny_cache or cache_dir())
-
-
-def check_existing_run(cfg) -> None:
-    """A run dir that already holds a run may only be resumed with a compatible config."""
-    from hpcnft.common.config import ConfigError, differing_keys
-    from hpcnft.io.runfile import RunFileError, read_run
-
-    try:
-        resumable = False
-        if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            from hpcnft.run.job import check_resumable
-
-            resumable = check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None
-        path = os.path.join(cfg.run_dir, "run.h5")
-        if os.path.lexists(path):
-            stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
-            diff = [] if resumable else differing_keys(stored, cfg.to_dict())
-            if diff:
-                raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
-                                 f"({', '.join(diff[:5])}); choose another --run-dir")
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
-    except RunFileError as e:
-        raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
-
-
-def check_run_dir(path: str) -> None:
-    if not path:
-        return
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(os.path.abspath(probe))
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise UsageError(f"run dir {path!r}: {probe!r} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"run dir {path!r} is not writable")
-
-
-def run(args) -> int:
+def start(args) -> int:
     from hpcnft.common.config import ConfigError, load_config
     from hpcnft.dist.launch import LaunchError, detect
 
@@ -119,9 +47,9 @@ def run(args) -> int:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
         return spawn(cfg, args)
-    from hpcnft.run.job import run_rank
+    from hpcnft.run.entry import rank_main
 
-    return run_rank(cfg, info, args.recipe)
+    return rank_main(cfg, info, args.recipe)
 
 
 def spawn(cfg, args) -> int:

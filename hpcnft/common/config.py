@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 
-
-class ConfigError(ValueError):
-    """A config problem, phrased for the user in one line."""
+from hpcnft.common.errors import ConfigError
+from hpcnft.common.validation import flatten, validate
 
 
 @dataclass
@@ -213,35 +210,6 @@ RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpo
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue"}
 
-CHOICES = {
-    "train.finetune": ("lora", "full"),
-    "train.precision": ("fp32", "fp16", "bf16"),
-    "nft.timestep_strategy": ("first", "drop_random"),
-    "nft.std_estimator": ("unbiased", "population"),
-    "layout.backend": ("auto", "gloo", "nccl"),
-    "layout.device": ("auto", "cpu", "cuda"),
-    "rollout.uint8_rounding": ("round", "truncate"),
-    "perf.attention_backend": ("default", "flash", "cudnn", "efficient", "math"),
-    "perf.pickscore_dtype": ("fp32", "fp16"),
-    "perf.pickscore_preprocess": ("cpu", "device"),
-    "perf.vae_dtype": ("auto", "fp32", "fp16", "bf16"),
-}
-POSITIVE = {"steps", "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.num_steps",
-            "rollout.height", "rollout.width", "rollout.max_sequence_length", "rollout.batch_size",
-            "train.lora_rank", "train.lora_alpha", "train.micro_batch", "train.grad_scaler_init",
-            "optim.lr", "optim.grad_clip", "layout.train_ranks", "layout.timeout_s", "eval.num_steps",
-            "checkpoint.keep", "nft.beta", "nft.adv_clip_max", "determinism.cpu_threads"}
-NON_NEGATIVE = {"optim.weight_decay", "optim.eps", "ema.ramp", "ema.max", "ema.flat_steps", "ema.flat_decay",
-                "eval.every", "eval.num_prompts", "checkpoint.every", "layout.reward_ranks",
-                "nft.kl_beta", "logging.sample_grid_every", "logging.sample_grid_images"}
-MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
-# Upper bounds: collectives wait at most a day; images and chunks within what the reward
-# service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
-AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
-MAX_CHUNK_BYTES = 1 << 30
-UNIT_INTERVAL = {"nft.timestep_fraction", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
-
-
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
@@ -379,64 +347,6 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def differing_keys(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> list[str]:
     fa, fb = flatten(a), flatten(b)
     return sorted(k for k in set(fa) | set(fb) if k not in ignore and fa.get(k) != fb.get(k))
-
-
-def validate(cfg: Config) -> None:
-    flat = flatten(cfg.to_dict())
-    for key, allowed in CHOICES.items():
-        if flat[key] not in allowed:
-            raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(allowed)}")
-    for key in POSITIVE | NON_NEGATIVE | UNIT_INTERVAL:
-        if isinstance(flat[key], float) and not math.isfinite(flat[key]) and key not in MAY_BE_INFINITE:
-            raise ConfigError(f"{key}: must be a finite number, got {flat[key]!r}")
-    for key in POSITIVE:
-        if not flat[key] > 0:
-            raise ConfigError(f"{key}: must be > 0, got {flat[key]!r}")
-    for key in NON_NEGATIVE:
-        if not flat[key] >= 0:
-            raise ConfigError(f"{key}: must be >= 0, got {flat[key]!r}")
-    for key in UNIT_INTERVAL:
-        if not 0 <= flat[key] <= 1:
-            raise ConfigError(f"{key}: must be within [0, 1], got {flat[key]!r}")
-    for key, limit in AT_MOST.items():
-        if not flat[key] <= limit:
-            raise ConfigError(f"{key}: must be <= {limit:g}, got {flat[key]!r}")
-    for key, value in flat.items():
-        values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, str) and ("\0" in v or "\n" in v) for v in values):
-            raise ConfigError(f"{key}: must not contain NUL or newline characters")
-    if not re.fullmatch(r"0?[0-7]{3}", cfg.umask):
-        raise ConfigError(f"umask: expected an octal mask such as \"077\" or \"027\", got {cfg.umask!r}")
-    r = cfg.rollout
-    for key in ("height", "width"):
-        if getattr(r, key) % 16:
-            raise ConfigError(f"rollout.{key}: must be a multiple of 16, got {getattr(r, key)}")
-    if int(r.num_steps * cfg.nft.timestep_fraction) < 1:
-        raise ConfigError("nft.timestep_fraction: trains no sigma at rollout.num_steps "
-                          f"{r.num_steps} (needs num_steps * fraction >= 1)")
-    if r.batch_size * r.height * r.width * 3 > MAX_CHUNK_BYTES:
-        raise ConfigError(f"rollout.batch_size: a chunk of {r.batch_size} images of {r.height}x{r.width} is more "
-                          f"than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
-    if r.batch_size > cfg.samples_per_step:
-        raise ConfigError(f"rollout.batch_size: {r.batch_size} is more than the {cfg.samples_per_step} "
-                          "samples of a step")
-    if not cfg.train.lora_targets and cfg.train.finetune == "lora":
-        raise ConfigError("train.lora_targets: empty, LoRA would train nothing")
-    if cfg.perf.fused_lora and cfg.train.finetune != "lora":
-        raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
-    if cfg.perf.fuse_qkv and cfg.train.finetune == "lora" and not cfg.perf.merge_lora_nograd:
-        raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
-                          "(the fused projections hold the merged weights)")

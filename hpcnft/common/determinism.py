@@ -14,17 +14,14 @@ import random
 import numpy as np
 import torch
 
+from hpcnft.common import safe_pickle
+from hpcnft.common.errors import one_line
+
 
 def stable_hash(*parts) -> int:
     """blake2b-64 of the ':'-joined parts, masked to 63 bits (a valid torch seed)."""
     digest = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def generator(device: torch.device | str, *parts) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(stable_hash(*parts))
-    return g
 
 
 def enable(enabled: bool, cpu_threads: int, device_type: str) -> None:
@@ -64,12 +61,11 @@ def load_rng_state(blob: bytes) -> dict:
     """The states captured by `capture_rng_state`, read without executing anything;
     pickle.UnpicklingError (one line) for bytes that are anything else."""
     try:
-        state = _SafeUnpickler.loads(blob)
+        state = safe_pickle.loads(blob, lambda *g: g in _RNG_GLOBALS, "refusing to load {} from an RNG state")
     except pickle.UnpicklingError:
         raise
     except Exception as e:  # noqa: BLE001 - truncated or random bytes
-        text = str(e).strip().splitlines()
-        raise pickle.UnpicklingError(f"not an RNG state ({type(e).__name__}: {text[0] if text else ''})") from None
+        raise pickle.UnpicklingError(f"not an RNG state ({one_line(e)})") from None
     if not isinstance(state, dict) or set(state) != {"python", "numpy", "torch", "cuda"}:
         raise pickle.UnpicklingError("not an RNG state (unexpected content)")
     return state
@@ -85,19 +81,6 @@ def restore_rng_state(blob: bytes) -> None:
         torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in state["cuda"]])
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """Accepts only the plain containers and numpy arrays an RNG state is made of."""
-
-    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-               ("numpy._core.multiarray", "_reconstruct"), ("builtins", "tuple"), ("builtins", "list")}
-
-    def find_class(self, module, name):
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from an RNG state")
-
-    @classmethod
-    def loads(cls, blob: bytes):
-        import io
-
-        return cls(io.BytesIO(blob)).load()
+# The plain containers and numpy arrays an RNG state is made of.
+_RNG_GLOBALS = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+                ("numpy._core.multiarray", "_reconstruct"), ("builtins", "tuple"), ("builtins", "list")}

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError
 from hpcnft.dist.launch import LaunchInfo
+from hpcnft.common.errors import first_line
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:
@@ -50,10 +51,6 @@ class Topology:
     @property
     def comm_device(self) -> torch.device:
         return collective_device(self.backend, self.device)
-
-    @property
-    def is_train(self) -> bool:
-        return self.role != "reward"
 
     @property
     def train_index(self) -> int:
@@ -98,7 +95,7 @@ class RendezvousError(RuntimeError):
 
 def rendezvous_error(e: BaseException, info: LaunchInfo) -> RendezvousError:
     """One line for a failed init_process_group: where, why, and the fix when the port is taken."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = first_line(e, type(e).__name__)
     where = f"{info.master_addr}:{info.master_port}"
     if "EADDRINUSE" in first or "address already in use" in first.lower():
         return RendezvousError(f"rank {info.rank} cannot listen on {where}: the port is taken on this node; "

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hpcnft.common.validation import MAX_CHUNK_BYTES
+from hpcnft.common.errors import first_line
+
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
 MSG_BYTES = 1024
@@ -32,7 +35,6 @@ REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
 MAX_CHUNK = 4096
 MAX_SIDE = 8192
-MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
 
 
 class RewardServiceError(RuntimeError):
@@ -58,7 +60,7 @@ def _wait(works, timeout_s: float, what: str) -> None:
         try:
             w.wait(timeout=datetime.timedelta(seconds=remaining))
         except RuntimeError as e:
-            first = (str(e).strip().splitlines() or [""])[0]
+            first = first_line(e)
             if "timed out" in first.lower() or "timeout" in first.lower():
                 raise RewardServiceError(f"timed out after {timeout_s:.0f} s waiting for {what}") from None
             raise RewardServiceError(f"lost the connection while waiting for {what} ({first})") from None
@@ -209,7 +211,7 @@ class HeaderReceiver:
             try:  # any source; bounded by the process group's timeout (layout.timeout_s)
                 src = dist.recv(h, None, tag=HEADER_TAG)
             except RuntimeError as e:
-                first = (str(e).strip().splitlines() or [""])[0]
+                first = first_line(e)
                 raise RewardServiceError(f"no request from train ranks {active} ({first})") from None
             return src, h
         deadline = time.monotonic() + self.timeout_s

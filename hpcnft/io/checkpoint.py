@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle  # only through _MetadataUnpickler
+import pickle  # only through AllowListUnpickler
 import re
 import shutil
 from dataclasses import dataclass
@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from hpcnft.common import determinism
+from hpcnft.common.safe_pickle import AllowListUnpickler
+from hpcnft.common.errors import first_line, one_line
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -42,20 +44,15 @@ class CheckpointError(Exception):
     pass
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: read it with only the classes checkpoint metadata is made
-    of, so a planted file cannot run code."""
+# DCP's .metadata is a pickle: it is read with only the classes checkpoint metadata is made of.
+_METADATA_MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
+_METADATA_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                   ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
 
-    MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
-    NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-             ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
 
-    def find_class(self, module, name):
-        allowed = module in self.MODULES or (module, name) in self.NAMES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
-        if not allowed:
-            raise pickle.UnpicklingError(f"refusing {module}.{name} in checkpoint metadata")
-        return super().find_class(module, name)
+def _metadata_global(module: str, name: str) -> bool:
+    return module in _METADATA_MODULES or (module, name) in _METADATA_NAMES or (
+        module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
 
 
 class _WeightsOnlyBytes:
@@ -92,7 +89,7 @@ class SafeReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args, **kwargs):
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = AllowListUnpickler(f, _metadata_global, "refusing {} in checkpoint metadata").load()
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -124,8 +121,7 @@ def _reason(e: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         e = first[0] if isinstance(first, tuple) and first else e
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    return one_line(e)
 
 
 MAX_RNG_BYTES = 1 << 24  # an RNG state file is ~12 KB
@@ -173,7 +169,7 @@ def _rng_problems(path: str) -> str | None:
         try:
             determinism.load_rng_state(blob)
         except pickle.UnpicklingError as e:
-            return f"rng/{name}: {str(e).splitlines()[0] if str(e) else 'not an RNG state'}"
+            return f"rng/{name}: {first_line(e, 'not an RNG state')}"
     return None
 
 
@@ -205,9 +201,8 @@ def problems(path: str) -> str | None:
         if not isinstance(doc, dict):
             return f"{name} is not a JSON object"
     ts = read_json(path, "trainer_state.json")
-    if not (isinstance(ts.get("step"), int) and isinstance(ts.get("prompt_cursor"), int)
-            and isinstance(ts.get("scaler"), dict)):
-        return "trainer_state.json lacks step, prompt_cursor or scaler"
+    if not (isinstance(ts.get("step"), int) and isinstance(ts.get("scaler"), dict)):
+        return "trainer_state.json lacks step or scaler"
     return None
 
 
@@ -241,8 +236,7 @@ def read_json(path: str, name: str) -> dict:
 # -- what is saved -------------------------------------------------------------------
 @dataclass
 class TrainState:
-    step: int
-    prompt_cursor: int
+    step: int  # the prompt cursor is a function of the step (PromptStream)
     scaler: dict
 
 
@@ -306,8 +300,7 @@ def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, k
     tmp, final = partial_dir(run_dir, step), step_dir(run_dir, step)
     try:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": train_state.step, "prompt_cursor": train_state.prompt_cursor,
-                       "scaler": train_state.scaler}, f, indent=2)
+            json.dump({"step": train_state.step, "scaler": train_state.scaler}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(config_json)
         with open(os.path.join(tmp, COMPLETE), "w") as f:
@@ -345,7 +338,7 @@ def load(path: str, policy, optimizer, train_group) -> TrainState:
         for s, loaded in zip(policy.shadow, state["old_policy"].values()):
             s.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
     ts = read_json(path, "trainer_state.json")
-    return TrainState(int(ts["step"]), int(ts["prompt_cursor"]), dict(ts["scaler"]))
+    return TrainState(int(ts["step"]), dict(ts["scaler"]))
 
 
 def read_rng(path: str, rank: int) -> bytes | None:

@@ -14,21 +14,17 @@ changes (an RNG snapshot, an attempt) briefly leave SWMR mode and re-enter it.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import io
 import json
 import os
 import re
-import subprocess
-import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import h5py
 import numpy as np
+
+from hpcnft.common.errors import one_line
 
 SCHEMA = 1
 
@@ -68,13 +64,12 @@ SWMR_READ_ATTEMPTS = 30
 MAX_ROWS = 10_000_000  # per metric or event table: far more than any run writes, far less than RAM
 
 
-def _one_line(e: BaseException) -> str:
+def error_line(e: BaseException) -> str:
     """The first line of an error; for HDF5's multi-line write errors, the system's reason."""
     reason = re.search(r"error message = '([^']*)'", str(e))
     if reason:
         return f"{type(e).__name__}: {reason.group(1)}"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    return one_line(e)
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,246 +104,6 @@ def is_perf_key(key: str) -> bool:
     return key.startswith("perf/")
 
 
-def _clear_swmr_flags(path: str) -> None:
-    """Recover a file left flagged by a killed SWMR writer (hpc_notes.md §6): h5clear -s -i
-    when available, else copy every object to a fresh file through a SWMR reader."""
-    try:
-        r = subprocess.run(["h5clear", "-s", "-i", path], capture_output=True, timeout=60)
-        if r.returncode == 0:
-            h5py.File(path, "a", libver="latest").close()
-            return
-    except (FileNotFoundError, subprocess.TimeoutExpired, OSError):
-        pass
-    tmp = path + ".recover"
-    with open_swmr_reader(path) as src, h5py.File(tmp, "w", libver="latest") as dst:
-        for k, v in src.attrs.items():
-            dst.attrs[k] = v
-        for name in src:
-            src.copy(src[name], dst, name=name)
-    os.replace(tmp, path)
-
-
-def _writes(method):
-    """A failed write (full disk, read-only file system, damaged file) is a RunFileError naming
-    the file; rows written before it stay readable."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except (RunFileError, AssertionError):
-            raise
-        except Exception as e:  # noqa: BLE001 - h5py raises OSError, RuntimeError, KeyError, ...
-            self._failed = True
-            _release_quietly(e)
-            raise RunFileError(f"{self.path}: cannot write the run file ({_one_line(e)})") from None
-
-    return wrapper
-
-
-def _release_quietly(e: BaseException) -> None:
-    """Free what the failed call held (its frames' h5py objects) now, with stderr captured:
-    after a failed write h5py reports every object it cannot release on stderr, a traceback
-    each, and the RunFileError has said it already."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        traceback.clear_frames(e.__traceback__)
-
-
-def _check_space(path: str, nbytes: int) -> None:
-    """HDF5 can crash rather than fail when a flush that creates objects meets a full disk:
-    refuse such a change unless twice its size and 256 KiB are free."""
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    free = st.f_bavail * st.f_frsize
-    if free < 2 * nbytes + (256 << 10):
-        raise RunFileError(f"{path}: cannot write the run file (only {free >> 10} KiB free on its file system)")
-
-
-class RunFileWriter:
-    """Rank 0's writer. Opens (or creates) RUN_DIR/run.h5 and keeps it in SWMR mode. An existing
-    file is validated against the schema (read_run) before anything is written to it."""
-
-    def __init__(self, path: str, config_json: str, version: str):
-        self.path = path
-        self._f = None
-        self._failed = False
-        try:
-            if os.path.lexists(path):
-                read_run(path)  # RunFileError for anything but a readable run file of this schema
-                _check_space(path, 0)
-                self._f = self._open_existing()
-                self._f.attrs["config"] = config_json
-            else:
-                _check_space(path, 0)
-                self._f = h5py.File(path, "w", libver="latest")
-                self._f.attrs["schema"] = SCHEMA
-                self._f.attrs["hpcnft_version"] = version
-                self._f.attrs["config"] = config_json
-                self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            self._ensure_structure()
-            self._f.flush()
-            self._f.swmr_mode = True
-        except Exception as e:  # noqa: BLE001
-            if self._f is not None:
-                try:
-                    self._f.close()
-                except Exception:  # noqa: BLE001
-                    pass
-            if isinstance(e, RunFileError):
-                raise
-            _release_quietly(e)
-            raise RunFileError(f"{path}: cannot open the run file for writing ({_one_line(e)})") from None
-
-    def _open_existing(self) -> h5py.File:
-        try:
-            return h5py.File(self.path, "a", libver="latest")
-        except OSError as e:
-            if "already open for write" not in str(e):
-                raise RunFileError(f"{self.path}: cannot open run file for writing: {_one_line(e)}") from None
-        _clear_swmr_flags(self.path)
-        return h5py.File(self.path, "a", libver="latest")
-
-    def _ensure_structure(self) -> None:
-        f = self._f
-        for key in ALL_KEYS:
-            name = f"metrics/{key}"
-            if name not in f:
-                f.create_dataset(name, shape=(0, 2), maxshape=(None, 2), chunks=(256, 2), dtype="<f8")
-        if "events" not in f:
-            f.create_dataset("events", shape=(0,), maxshape=(None,), chunks=(64,), dtype=EVENT_DTYPE)
-        for g in ("rng", "attempts", "topology"):
-            f.require_group(g)
-
-    # -- structural changes (leave SWMR briefly) ---------------------------------------
-    def _restructure(self, nbytes: int = 0):
-        _check_space(self.path, nbytes)
-        self._f.flush()
-        self._f.close()
-        for attempt in range(50):  # a reader that took a lock (h5dump, say) holds it briefly
-            try:
-                self._f = h5py.File(self.path, "a", libver="latest")
-                return
-            except BlockingIOError:
-                time.sleep(0.1)
-        self._f = h5py.File(self.path, "a", libver="latest")
-
-    def _resume_swmr(self):
-        self._f.flush()
-        self._f.swmr_mode = True
-
-    @_writes
-    def set_topology(self, attrs: Mapping[str, object]) -> None:
-        self._restructure()
-        topo = self._f["topology"]
-        for k in list(topo.attrs):
-            del topo.attrs[k]
-        for k, v in attrs.items():
-            topo.attrs[k] = _attr_value(v)
-        self._resume_swmr()
-
-    @_writes
-    def add_attempt(self, attrs: Mapping[str, object]) -> int:
-        self._restructure()
-        att = self._f["attempts"]
-        n = len(att)
-        g = att.create_group(str(n))
-        for k, v in attrs.items():
-            g.attrs[k] = _attr_value(v)
-        self._resume_swmr()
-        return n
-
-    @_writes
-    def write_rng(self, step: int, states: Mapping[int, bytes]) -> None:
-        self._restructure(sum(len(b) for b in states.values()))
-        name = f"rng/step_{step}"
-        if name in self._f:
-            del self._f[name]
-        g = self._f.create_group(name)
-        for rank, blob in sorted(states.items()):
-            g.create_dataset(f"rank_{rank}", data=np.frombuffer(blob, dtype=np.uint8))
-        self._resume_swmr()
-
-    @_writes
-    def drop_rng_after(self, step: int) -> None:
-        later = [n for n in self._f["rng"] if int(n.split("_")[1]) > step]
-        if not later:
-            return
-        self._restructure()
-        for n in later:
-            del self._f[f"rng/{n}"]
-        self._resume_swmr()
-
-    # -- appends (SWMR-safe) -------------------------------------------------------------
-    @_writes
-    def append_metrics(self, step: int, values: Mapping[str, float]) -> None:
-        for key, value in values.items():
-            ds = self._f[f"metrics/{key}"]
-            n = ds.shape[0]
-            ds.resize((n + 1, 2))
-            ds[n] = (float(step), float(value))
-            ds.flush()
-        self._f.flush()
-
-    @_writes
-    def event(self, step: int, kind: str, text: str) -> None:
-        assert kind in EVENT_KINDS, kind
-        ds = self._f["events"]
-        n = ds.shape[0]
-        ds.resize((n + 1,))
-        ds[n] = (step, time.time(), kind.encode(), text.encode("utf-8")[:1024])
-        ds.flush()
-        self._f.flush()
-
-    @_writes
-    def truncate_after(self, step: int, inclusive_keys: tuple[str, ...] = ()) -> int:
-        """Drop metric rows with step > `step` (>= `step` for `inclusive_keys`); returns how
-        many rows were dropped."""
-        dropped = 0
-        for key in ALL_KEYS:
-            ds = self._f[f"metrics/{key}"]
-            if ds.shape[0] == 0:
-                continue
-            steps = ds[:, 0]
-            keep = int(np.searchsorted(steps, step, side="left" if key in inclusive_keys else "right"))
-            if keep < ds.shape[0]:
-                dropped += ds.shape[0] - keep
-                ds.resize((keep, 2))
-                ds.flush()
-        self._f.flush()
-        return dropped
-
-    @_writes
-    def last_step(self) -> int:
-        ds = self._f["metrics/train/nft_loss"]
-        return int(ds[-1, 0]) if ds.shape[0] else 0
-
-    def close(self) -> None:
-        if self._f is None or not self._f.id.valid:
-            return
-        try:
-            self._f.flush()
-        except Exception as e:  # noqa: BLE001 - closing still releases the file
-            self._failed = True
-            _release_quietly(e)
-            raise RunFileError(f"{self.path}: cannot write the run file ({_one_line(e)})") from None
-        finally:
-            with contextlib.redirect_stderr(io.StringIO()) if self._failed else contextlib.nullcontext():
-                try:
-                    self._f.close()
-                except Exception:  # noqa: BLE001
-                    pass
-
-
-def _attr_value(v):
-    if isinstance(v, (list, tuple, dict)):
-        return json.dumps(v)
-    if v is None:
-        return ""
-    if isinstance(v, str):
-        return str(v)  # plain str: h5py refuses str subclasses such as torch's version string
-    return v
-
-
-# -- reading ----------------------------------------------------------------------------
 @dataclass
 class RunData:
     path: str
@@ -371,12 +126,12 @@ def open_for_reading(path: str) -> h5py.File:
     try:
         return h5py.File(path, "r", locking=False)
     except Exception as e:  # noqa: BLE001
-        first = _one_line(e)
+        first = error_line(e)
     if "already open for write" in first:
         try:
             return open_swmr_reader(path)
         except Exception as e:  # noqa: BLE001
-            first = _one_line(e)
+            first = error_line(e)
     raise RunFileError(f"{path}: not an HDF5 run file ({first})")
 
 
@@ -461,7 +216,7 @@ def read_run(path: str) -> RunData:
     except RunFileError:
         raise
     except Exception as e:  # noqa: BLE001 - a damaged file raises anything from h5py
-        raise RunFileError(f"{path}: unreadable run file ({_one_line(e)})"[:500]) from None
+        raise RunFileError(f"{path}: unreadable run file ({error_line(e)})"[:500]) from None
     finally:
         f.close()
     return RunData(path, attrs, config, metrics, topology, attempts, events, rng_steps)

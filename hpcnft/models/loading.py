@@ -4,39 +4,15 @@ Every loader checks the folder first and turns any failure into one ModelError l
 the config key and the path, so a typo in a path never ends in a traceback."""
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+import torch
 
-import torch  # noqa: E402
-
-from hpcnft.common.config import Config  # noqa: E402
-
-SD3_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
-                "text_encoder/config.json", "text_encoder_2/config.json", "text_encoder_3/config.json",
-                "tokenizer", "tokenizer_2", "tokenizer_3")
-PICKSCORE_REQUIRED = ("config.json",)
-PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
-
-
-def quiet_libraries() -> None:
-    """Keep library notices (no torchvision, shard-writing bars) out of the job's output."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    diffusers_logging.set_verbosity_error()
-    diffusers_logging.disable_progress_bar()
-
-
-class ModelError(Exception):
-    """A model folder that is missing, incomplete or unloadable (one line)."""
+from hpcnft.common.config import Config
+from hpcnft.common.errors import one_line
+from hpcnft.models.folders import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder,
+                                   quiet_libraries)
 
 
 @dataclass
@@ -60,21 +36,6 @@ def resolve_model_paths(cfg: Config, build_tiny: bool = True) -> ModelPaths:
     return ModelPaths(sd3, ps, m.pickscore_processor_dir or ps)
 
 
-def check_folder(key: str, path: str, required: tuple[str, ...]) -> None:
-    if not path:
-        raise ModelError(f"{key}: no folder given")
-    if not os.path.isdir(path):
-        raise ModelError(f"{key}: folder {path!r} does not exist")
-    for rel in required:
-        if not any(os.path.exists(os.path.join(path, alt)) for alt in rel.split("|")):
-            raise ModelError(f"{key}: {path!r} is incomplete, {rel.replace('|', ' or ')} is missing")
-
-
-def _one_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 def load_sd3_pipeline(path: str, dtype: torch.dtype, device: torch.device):
     """The real diffusers StableDiffusion3Pipeline from a local folder (safetensors only)."""
     check_folder("models.sd3_dir", path, SD3_REQUIRED)
@@ -87,7 +48,7 @@ def load_sd3_pipeline(path: str, dtype: torch.dtype, device: torch.device):
             pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, use_safetensors=True,
                                                             dtype=dtype)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
-        raise ModelError(f"models.sd3_dir: cannot load {path!r} ({_one_line(e)})") from None
+        raise ModelError(f"models.sd3_dir: cannot load {path!r} ({one_line(e)})") from None
     pipe.set_progress_bar_config(disable=True)
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer"):
         getattr(pipe, name).to(device).requires_grad_(False).eval()
@@ -104,9 +65,9 @@ def load_pickscore(model_path: str, processor_path: str, device: torch.device):
     try:
         processor = AutoProcessor.from_pretrained(processor_path, local_files_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"models.pickscore_processor_dir: cannot load {processor_path!r} ({_one_line(e)})") from None
+        raise ModelError(f"models.pickscore_processor_dir: cannot load {processor_path!r} ({one_line(e)})") from None
     try:
         model = AutoModel.from_pretrained(model_path, local_files_only=True, use_safetensors=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"models.pickscore_dir: cannot load {model_path!r} ({_one_line(e)})") from None
+        raise ModelError(f"models.pickscore_dir: cannot load {model_path!r} ({one_line(e)})") from None
     return processor, model.to(device).eval().requires_grad_(False)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 
 import torch
 
 from hpcnft.models.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
+from hpcnft.models.tiny_tokenizers import finish_tokenizer_dir, make_clip_tokenizer, make_t5_tokenizer
 # ----------------------------------------------------------------------------------------
 # Prompt corpus used to train the tiny tokenizers (and as demo prompts).
 # ----------------------------------------------------------------------------------------
@@ -67,10 +67,6 @@ PROMPTS = [
 CHAR_COVERAGE = (
     "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0 1 2 3 4 5 6 7 8 9 "
     ". , ; : ! ? ' \" - _ ( ) [ ] / & % + = * # @ $"
-)
-
-CLIP_SPLIT_PATTERN = (
-    r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 )
 
 # ----------------------------------------------------------------------------------------
@@ -128,171 +124,6 @@ TINY_PICKSCORE = dict(
 )
 
 # ----------------------------------------------------------------------------------------
-# Tokenizers
-# ----------------------------------------------------------------------------------------
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2/CLIP byte -> printable unicode table, in CLIP's vocab order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
-def _clip_pretokenize(texts: list[str]) -> list[str]:
-    """CLIP normalisation + pre-tokenisation (same pipeline as transformers' CLIPTokenizer),
-    returning byte-level-mapped words."""
-    from tokenizers import Regex, normalizers, pre_tokenizers
-
-    norm = normalizers.Sequence(
-        [normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase()]
-    )
-    pre = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CLIP_SPLIT_PATTERN), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
-    words = []
-    for t in texts:
-        words += [w for w, _ in pre.pre_tokenize_str(norm.normalize_str(t))]
-    return words
-
-
-def train_clip_bpe(texts: list[str], num_merges: int = 400) -> tuple[dict[str, int], list[str]]:
-    """Learn CLIP-style byte-level BPE merges with a small, fully deterministic pure-Python
-    learner (the `tokenizers` BpeTrainer breaks count ties in hash order, so its merges - and
-    hence token ids - change from run to run).  Returns (vocab, merges) laid out like CLIP's
-    vocab.json: 256 byte symbols, the same 256 + '</w>', merged tokens in merge order, then
-    <|startoftext|>, <|endoftext|> last."""
-    from collections import Counter
-
-    word_freq = Counter(_clip_pretokenize(texts))
-    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in sorted(word_freq.items())}
-    merges: list[tuple[str, str]] = []
-    for _ in range(num_merges):
-        pairs: Counter = Counter()
-        for w, f in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += f
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))  # highest count, ties -> lexicographic
-        merges.append(best)
-        new_words: dict = {}
-        for w, f in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new_words[tuple(out)] = new_words.get(tuple(out), 0) + f
-        words = new_words
-
-    base = _bytes_to_unicode()
-    vocab_list = base + [b + "</w>" for b in base]
-    seen = set(vocab_list)
-    for a, b in merges:
-        if a + b not in seen:
-            seen.add(a + b)
-            vocab_list.append(a + b)
-    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(vocab_list)}, [f"{a} {b}" for a, b in merges]
-
-
-def make_clip_tokenizer(out_dir: str, texts: list[str], pad_token: str = "<|endoftext|>"):
-    """Write vocab.json + merges.txt (CLIP's on-disk format) and load them with
-    CLIPTokenizer.from_pretrained, which then also writes tokenizer.json on save."""
-    from transformers import CLIPTokenizer
-
-    vocab, merges = train_clip_bpe(texts)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "pad_token": pad_token,
-                   "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
-                   "unk_token": "<|endoftext|>", "do_lower_case": True}, f, indent=2)
-    tok = CLIPTokenizer.from_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    return tok
-
-
-def t5_unigram_vocab(texts: list[str]) -> list[tuple[str, float]]:
-    """Deterministic SentencePiece-like Unigram vocab in T5's layout (<pad>=0, </s>=1, <unk>=2):
-    every corpus word as '▁word' scored by log-frequency, plus every character with and
-    without the '▁' prefix as a low-score fallback.  (The `tokenizers` UnigramTrainer gives
-    run-to-run differences in the last float digits and thus in piece order.)"""
-    import math
-    from collections import Counter
-
-    toks = [t for text in texts for t in re.findall(r"\w+|[^\w\s]", text)]
-    word_freq = Counter(t for t in toks if re.fullmatch(r"\w+", t))
-    total = sum(word_freq.values())
-    pieces = {"<pad>": 0.0, "</s>": 0.0, "<unk>": 0.0, "▁": -2.0}
-    for w, f in sorted(word_freq.items(), key=lambda kv: (-kv[1], kv[0])):
-        pieces["▁" + w] = math.log(f / total)
-    for c in sorted({c for text in texts for c in text if not c.isspace()}):
-        pieces.setdefault("▁" + c, -12.0)
-        pieces.setdefault(c, -13.0)
-    return list(pieces.items())  # dicts keep insertion order: specials first
-
-
-def make_t5_tokenizer(out_dir: str, texts: list[str]):
-    """Write a T5-style tokenizer.json (Unigram + Metaspace, '</s>' appended) and load it with
-    T5TokenizerFast.from_pretrained (works with transformers 4.x and 5.x)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import T5TokenizerFast
-
-    vocab = t5_unigram_vocab(texts)
-    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
-    ])
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    tok.post_processor = processors.TemplateProcessing(
-        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<pad>", "</s>", "<unk>")])
-    os.makedirs(out_dir, exist_ok=True)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "T5Tokenizer", "model_max_length": 512, "eos_token": "</s>",
-                   "unk_token": "<unk>", "pad_token": "<pad>", "extra_ids": 0,
-                   "additional_special_tokens": []}, f, indent=2)
-    t5 = T5TokenizerFast.from_pretrained(out_dir)
-    t5.save_pretrained(out_dir)
-    return t5
-
-
-def _finish_tokenizer_dir(tok_dir: str, bpe_src: str | None = None) -> None:
-    """Make a tokenizer folder saved by transformers 5.x loadable by 4.x too:
-    - copy vocab.json/merges.txt next to tokenizer.json (4.x's slow CLIPTokenizer, which is what
-      model_index.json's "CLIPTokenizer" resolves to there, needs them; 5.x reads tokenizer.json);
-    - drop keys 5.x writes that 4.x chokes on or that only leak load-time kwargs."""
-
-    if bpe_src is not None:
-        for name in ("vocab.json", "merges.txt"):
-            shutil.copy(os.path.join(bpe_src, name), os.path.join(tok_dir, name))
-    cfg_path = os.path.join(tok_dir, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    for k in ("is_local", "local_files_only"):
-        cfg.pop(k, None)
-    if cfg.get("extra_special_tokens") in ([], {}):
-        cfg.pop("extra_special_tokens")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-
-
-# ----------------------------------------------------------------------------------------
 # Tiny SD3.5 pipeline
 # ----------------------------------------------------------------------------------------
 def build_tiny_sd3(out_dir: str, seed: int = 0) -> str:
@@ -329,9 +160,9 @@ def build_tiny_sd3(out_dir: str, seed: int = 0) -> str:
     )
     path = os.path.join(out_dir, "sd35_tiny")
     pipe.save_pretrained(path, safe_serialization=True)
-    _finish_tokenizer_dir(os.path.join(path, "tokenizer"), os.path.join(tmp_tok, "clip1"))
-    _finish_tokenizer_dir(os.path.join(path, "tokenizer_2"), os.path.join(tmp_tok, "clip2"))
-    _finish_tokenizer_dir(os.path.join(path, "tokenizer_3"))
+    finish_tokenizer_dir(os.path.join(path, "tokenizer"), os.path.join(tmp_tok, "clip1"))
+    finish_tokenizer_dir(os.path.join(path, "tokenizer_2"), os.path.join(tmp_tok, "clip2"))
+    finish_tokenizer_dir(os.path.join(path, "tokenizer_3"))
     # transformers 5.x records tokenizer_3 as "T5Tokenizer" (T5TokenizerFast is an alias there); the real
     # SD3.5 model_index.json says "T5TokenizerFast", which also resolves on 4.x (where T5Tokenizer is the
     # sentencepiece class).
@@ -370,7 +201,7 @@ def build_tiny_pickscore(out_dir: str, seed: int = 0) -> str:
     model = CLIPModel(cfg)
     model.save_pretrained(path, safe_serialization=True)
     processor.save_pretrained(path)
-    _finish_tokenizer_dir(path, os.path.join(path, "_tok_tmp"))
+    finish_tokenizer_dir(path, os.path.join(path, "_tok_tmp"))
     shutil.rmtree(os.path.join(path, "_tok_tmp"), ignore_errors=True)
     return path
 
@@ -395,7 +226,7 @@ def tree_digest(path: str) -> str:
 
 def build_tiny_models(out_dir: str) -> tuple[str, str]:
     """Write OUT/sd35_tiny and OUT/pickscore_tiny (replacing them); returns both paths."""
-    from hpcnft.models.loading import quiet_libraries
+    from hpcnft.models.folders import quiet_libraries
 
     quiet_libraries()
     os.makedirs(out_dir, exist_ok=True)
@@ -424,7 +255,7 @@ def ensure_tiny_models(cache_dir: str) -> tuple[str, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(done):
             build_tiny_models(cache_dir)
-            from hpcnft.models.loading import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
+            from hpcnft.models.folders import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
 
             check_folder("models.sd3_dir", paths[0], SD3_REQUIRED)  # never mark a partial build done
             check_folder("models.pickscore_dir", paths[1], PICKSCORE_REQUIRED)

@@ -21,6 +21,8 @@ import contextlib
 
 import torch
 
+from hpcnft.common.tensors import linear_dtype, mixed_in, module_list
+
 # The GELU (F.gelu's `approximate`) torch._addmm_activation(use_gelu=True) applies, per device.
 OP_GELU = {"cuda": "tanh", "cpu": "none"}
 
@@ -44,8 +46,6 @@ _count_flops_as_addmm()
 def addmm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """gelu(F.linear(x, weight, bias), approximate=OP_GELU[device]) as one GEMM with a GELU
     epilogue, in the autocast dtype when autocast is on (as F.linear would), else in x's."""
-    from hpcnft.perf.levers import linear_dtype
-
     dtype = linear_dtype(x)
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     y = torch._addmm_activation(bias.to(dtype), rows, weight.to(dtype).t(), use_gelu=True)
@@ -71,8 +71,6 @@ class EpilogueGELUMixin:
 def gelu_modules(transformer) -> list:
     from diffusers.models.activations import GELU
 
-    from hpcnft.perf.levers import module_list
-
     return module_list(transformer, "gelu_modules",
                        lambda t: [m for m in t.transformer_blocks.modules() if type(m) is GELU])
 
@@ -80,8 +78,6 @@ def gelu_modules(transformer) -> list:
 @contextlib.contextmanager
 def feed_forwards(transformer):
     """While inside, the blocks' GELU modules use the GEMM epilogue (where it applies)."""
-    from hpcnft.perf.levers import mixed_in
-
     modules = gelu_modules(transformer)
     with mixed_in(modules, EpilogueGELUMixin, "Epilogue"):
         yield len(modules)

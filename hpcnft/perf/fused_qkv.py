@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hpcnft.perf.levers import full_tensor
+from hpcnft.common.tensors import full_tensor, module_list
 
 WEIGHT, BIAS = "hpcnft_qkv_weight", "hpcnft_qkv_bias"
 ADDED_WEIGHT, ADDED_BIAS = "hpcnft_added_qkv_weight", "hpcnft_added_qkv_bias"
@@ -65,8 +65,6 @@ def _joint_attentions(transformer):
 
 def _attentions(transformer):
     """Every attention module (one with to_q) of the model, found once (fast.module_list)."""
-    from hpcnft.perf.levers import module_list
-
     return module_list(transformer, "attentions", lambda t: [m for m in t.modules() if hasattr(m, "to_q")])
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -52,30 +51,6 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int | None = Non
 def matmul_ceiling(device: torch.device, dtype: torch.dtype) -> float:
     """Achieved FLOP/s of a large dense matmul here: the denominator of MFU (fp32 on a CPU)."""
     return measure_matmul(device, dtype if device.type == "cuda" else torch.float32)["flops_per_s"]
-
-
-@dataclass
-class DitFlops:
-    rollout_forward: float  # one sample, one sampler step
-    train_pair: float  # v_old forward + v_theta forward + backward, one pair
-
-
-def count_dit_flops(policy, latent_shape, prompt_embeds, pooled) -> DitFlops:
-    """Count, on one sample, the DiT work a rollout step and a train pair do. Every train rank
-    runs it together (FSDP2 collectives); the probe's gradients are dropped."""
-    from hpcnft.algo.sampler import velocity
-
-    dev, dtype, tr = policy.device, policy.compute_dtype, policy.transformer
-    x = torch.zeros((1, *latent_shape), device=dev)
-    sigma = torch.full((1,), 0.5, device=dev)
-    pe, pooled = prompt_embeds[:1].to(dev), pooled[:1].to(dev)
-    with torch.no_grad(), policy.autocast(), FlopCount() as fwd:
-        velocity(tr, x, sigma, pe, pooled, dtype)
-    with policy.autocast(), FlopCount() as fwd_bwd:
-        velocity(tr, x, sigma, pe, pooled, dtype).float().square().mean().backward()
-    for p in policy.trainable:
-        p.grad = None
-    return DitFlops(rollout_forward=fwd.total, train_pair=fwd.total + fwd_bwd.total)
 
 
 class FlopCount:

@@ -1,8 +1,8 @@
-"""The run on one rank, from start (or resume) to finish: a train rank's loop, or the reward
-rank's service. Failures become one line naming the rank and its reason."""
+"""A train rank's job from start (or resume) to finish: wire the models, policy, trainer and
+reward client; resume; iterate, evaluate and checkpoint on schedule; stop on preemption and
+requeue; close the run file."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -10,77 +10,25 @@ import torch
 import torch.distributed as dist
 
 from hpcnft import __version__
-from hpcnft.io import checkpoint
+from hpcnft.algo.iteration import Learner
+from hpcnft.algo.policy import Policy
+from hpcnft.algo.trainer import Trainer
 from hpcnft.common import determinism
-from hpcnft.dist import groups
-from hpcnft.perf import levers
-from hpcnft.common.config import Config, ConfigError, differing_keys, flatten
-from hpcnft.dist.launch import LaunchInfo
-from hpcnft.algo.iteration import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
-                         log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
-from hpcnft.models.loading import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
+from hpcnft.common.config import Config
+from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.dist.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
-from hpcnft.algo.prompts import PromptFileError, PromptStream, read_prompt_file
-from hpcnft.algo.reward import PickScoreScorer
-from hpcnft.dist.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
-
-BAD_INPUT = (ModelError, PromptFileError, ConfigError)
-
-
-def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
-    """Every rank must write into the same run dir: rank 0's choice wins."""
-    from hpcnft.cli.run import default_run_dir
-
-    choice = [cfg.run_dir or default_run_dir(recipe)]
-    dist.broadcast_object_list(choice, src=0)
-    cfg.run_dir = choice[0]
-    return cfg.run_dir
+from hpcnft.dist.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
+from hpcnft.io import checkpoint
+from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
+from hpcnft.perf import levers
+from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
+from hpcnft.run.resume import agree, check_resumable
+from hpcnft.run.reward_rank import load_scorer
+from hpcnft.algo.reward import make_score_fn
 
 
-def make_score_fn(cfg: Config, scorer: PickScoreScorer):
-    """(kind, step, images, sample ids) -> scores; the prompts come from this rank's own copy
-    of the prompt files, by the same rule the train ranks use."""
-    stream = PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,
-                          cfg.train.seed)
-    eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
-    p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
-
-    def score(kind: int, step: int, images: torch.Tensor, ids: list[int]) -> torch.Tensor:
-        if kind == EVAL:
-            return scorer([eval_prompts[i] for i in ids], images)
-        return cfg.reward.scale * scorer([stream.at((step - 1) * p + i // g) for i in ids], images)
-
-    return score
-
-
-def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
-    paths = resolve_model_paths(cfg)
-    scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
-    return levers.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
-
-
-def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
-    score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
-    found = checkpoint.latest_usable(cfg.run_dir, log.warning)
-    blob = checkpoint.read_rng(found[1], topo.rank) if found else None
-    if blob is not None:
-        determinism.restore_rng_state(blob)
-
-    def snapshot(step: int) -> None:
-        with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
-            f.write(determinism.capture_rng_state())
-
-    log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), score_fn, topo.comm_device, cfg.layout.timeout_s, log,
-                  snapshot, flag)
-    log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
-    return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
-
-
-def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
-    from hpcnft.algo.trainer import Policy, Trainer
-
-    seed_everything(cfg)
+def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
+    determinism.seed_globals(cfg.train.seed)
     paths = resolve_model_paths(cfg)
     pipe = load_sd3_pipeline(paths.sd3, torch.float32, topo.device)
     levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
@@ -95,29 +43,7 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
         client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.comm_device, cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
-    return TrainRank(cfg, topo, group, mesh, client, pipe, policy, trainer)
-
-
-def agree(group, value, src: int = 0):
-    """Rank `src`'s value on every train rank."""
-    box = [value]
-    if group is not None:
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
-    """The checkpoint to resume from, refusing one whose config differs (ConfigError)."""
-    found = checkpoint.latest_usable(run_dir, warn)
-    if found is None:
-        return None
-    stored = checkpoint.read_json(found[1], "config.json")
-    diff = differing_keys(stored, cfg.to_dict())
-    if diff:
-        flat_old, flat_new = flatten(stored), flatten(cfg.to_dict())
-        detail = ", ".join(f"{k} ({flat_old.get(k)!r} -> {flat_new.get(k)!r})" for k in diff)
-        raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in {detail}")
-    return found
+    return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer)
 
 
 class TrainJob:
@@ -149,7 +75,8 @@ class TrainJob:
         return step
 
     def open_run_file(self, start_step: int) -> None:
-        from hpcnft.io.runfile import EVAL_KEYS, RunFileWriter
+        from hpcnft.io.run_writer import RunFileWriter
+        from hpcnft.io.runfile import EVAL_KEYS
 
         cfg, topo = self.cfg, self.topo
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__)
@@ -185,8 +112,7 @@ class TrainJob:
             if self.writer:
                 states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
                 self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
-                state = checkpoint.TrainState(step, step * cfg.rollout.prompts_per_step,
-                                              tr.trainer.scaler.state_dict())
+                state = checkpoint.TrainState(step, tr.trainer.scaler.state_dict())
                 final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
                 self.writer.event(step, "checkpoint", final)
         except BaseException:
@@ -283,48 +209,3 @@ def close_then_requeue(writer, job_id: str) -> None:
             print_err(outcome)
 
 
-def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
-    device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
-    determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
-    if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
-        info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
-    flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
-    try:
-        return _run_rank(cfg, info, recipe, flag)
-    finally:
-        flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
-
-
-def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
-    os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
-    try:
-        # The tiny models are built (once, under a file lock) before the process group exists:
-        # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
-        resolve_model_paths(cfg)
-    except BAD_INPUT as e:
-        print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
-        return EXIT_BAD_INPUT
-    try:
-        topo, group, mesh = groups.setup(cfg, info)
-    except groups.RendezvousError as e:
-        print_err(str(e))
-        return EXIT_FAILED
-    agree_run_dir(cfg, recipe, topo)
-    setup_logging(cfg.run_dir, topo.rank)
-    log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
-             topo.launcher)
-    try:
-        if cfg.samples_per_step % len(topo.train_ranks):
-            raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
-                              f"{len(topo.train_ranks)} train ranks")
-        code = reward_main(cfg, topo, flag) if topo.role == "reward" else train_main(cfg, topo, group, mesh, flag)
-    except BAD_INPUT as e:
-        log_exception(topo, e)
-        print_err(fail_line(topo, e))
-        return EXIT_BAD_INPUT
-    except Exception as e:  # noqa: BLE001 - one line out, the traceback in the rank's log
-        log_exception(topo, e)
-        print_err(fail_line(topo, e) + f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
-        return EXIT_FAILED
-    groups.teardown()
-    return code

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from hpcnft.perf import fused_qkv, levers
+from hpcnft.perf import compiling, fused_qkv, levers
 from hpcnft.common.config import load_config
 from hpcnft.algo.sampler import velocity
 from hpcnft.models.tiny import TINY_TRANSFORMER
@@ -23,7 +23,7 @@ def _policy(compiled: bool, **perf):
     if perf.get("fused_lora"):
         fused_qkv.install_fused_lora(tr)
     if compiled:
-        levers.compile_blocks(tr)
+        compiling.compile_blocks(tr)
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 

@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,9 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcnft.io.runfile import ALL_KEYS, RunFileWriter
+from hpcnft.io.run_writer import RunFileWriter
+
+from hpcnft.io.runfile import ALL_KEYS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEXT_AFTER_ONE = float(np.nextafter(1.0, 2.0))
@@ -204,7 +205,8 @@ def test_plot_samples_shows_the_saved_grids(tmp_path, run_a):
 # -- watch --------------------------------------------------------------------------------
 WRITER = textwrap.dedent("""
     import sys, time
-    from hpcnft.io.runfile import ALL_KEYS, RunFileWriter
+    from hpcnft.io.run_writer import RunFileWriter
+    from hpcnft.io.runfile import ALL_KEYS
     time.sleep(0.3)  # the watcher starts before the file exists
     w = RunFileWriter(sys.argv[1], "{}", "0.1.0")
     w.add_attempt({"from_step": 0})
@@ -291,70 +293,17 @@ def test_export_needs_a_target_and_known_keys(tmp_path, run_a):
     assert_one_line_error(hpcnft("export-metrics", run_a, "--csv", tmp_path / "m.csv", "--keys", "nope"))
 
 
-def read_tfrecords(path):
-    """Payloads of a TFRecord file, checking both masked CRC-32C of every record."""
-    from hpcnft.io.tbevents import crc32c
-
-    def masked(data):
-        c = crc32c(data)
-        return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    data, records, pos = open(path, "rb").read(), [], 0
-    while pos < len(data):
-        header = data[pos:pos + 8]
-        (length,), (header_crc,) = struct.unpack("<Q", header), struct.unpack("<I", data[pos + 8:pos + 12])
-        payload = data[pos + 12:pos + 12 + length]
-        (payload_crc,) = struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])
-        assert header_crc == masked(header) and payload_crc == masked(payload)
-        records.append(payload)
-        pos += 16 + length
-    return records
-
-
-def proto_fields(buf):
-    """(field number, value) of a protobuf message: varints as int, fixed64/32 as bytes, others as bytes."""
-    fields, pos = [], 0
-
-    def varint():
-        nonlocal pos
-        shift = value = 0
-        while True:
-            b = buf[pos]
-            pos += 1
-            value |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return value
-
-    while pos < len(buf):
-        key = varint()
-        number, wire = key >> 3, key & 7
-        size = {0: None, 1: 8, 5: 4}.get(wire)
-        if wire == 0:
-            fields.append((number, varint()))
-            continue
-        if wire == 2:
-            size = varint()
-        fields.append((number, buf[pos:pos + size]))
-        pos += size
-    return fields
-
-
 def test_export_tensorboard_writes_scalar_events(tmp_path, run_a):
-    from hpcnft.io.tbevents import crc32c
-
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    """The event file as TensorBoard itself reads it back."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     r = hpcnft("export-metrics", run_a, "--tensorboard", tmp_path / "tb", "--keys", "train/nft_loss",
                "eval/pickscore_mean")
     assert r.returncode == 0, r.stderr
     (name,) = os.listdir(tmp_path / "tb")
-    assert "tfevents" in name
-    records = [dict(proto_fields(p)) for p in read_tfrecords(tmp_path / "tb" / name)]
-    assert records[0][3] == b"brain.Event:2"
-    scalars = []
-    for event in records[1:]:
-        for number, value in proto_fields(event[5]):
-            tag_and_value = dict(proto_fields(value))
-            scalars.append((event[2], tag_and_value[1].decode(), struct.unpack("<f", tag_and_value[2])[0]))
+    assert "tfevents" in name and r.stdout.strip() == f"wrote {tmp_path / 'tb' / name}"
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb" / name))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["eval/pickscore_mean", "train/nft_loss"]
+    scalars = [(e.step, tag, e.value) for tag in ("train/nft_loss", "eval/pickscore_mean") for e in acc.Scalars(tag)]
     assert scalars == [(1, "train/nft_loss", 15.25), (2, "train/nft_loss", 16.5), (3, "train/nft_loss", 17.0),
                        (4, "train/nft_loss", 19.0), (4, "eval/pickscore_mean", 21.5)]

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from hpcnft.perf import levers
+from hpcnft.common.tensors import module_list
+from hpcnft.perf import compiling, levers, lora_merge
 from hpcnft.bench.shapes import _MESH, tiny_shapes
 from hpcnft.bench.stack import HpcnftStack
 from lora_tools import RecordOps
@@ -99,9 +100,9 @@ def test_module_lists_are_found_once_per_model():
         calls.append(root)
         return [m for m in root.modules() if isinstance(m, torch.nn.Linear)]
     a, b = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
-    first = levers.module_list(a, "linears", find)
-    assert levers.module_list(a, "linears", find) is first and calls == [a]
-    assert levers.module_list(b, "linears", find) == [b[0]] and calls == [a, b]  # kept per model
+    first = module_list(a, "linears", find)
+    assert module_list(a, "linears", find) is first and calls == [a]
+    assert module_list(b, "linears", find) == [b[0]] and calls == [a, b]  # kept per model
     assert "linears" not in dict(a.named_modules()) and not list(a.state_dict().keys() - {"0.weight", "0.bias"})
 
 
@@ -136,7 +137,7 @@ def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_
     try:
         for on in (True, False):
             cfg.perf = dataclasses.replace(cfg.perf, **{key: on})
-            levers.inductor_options(levers.effective(cfg))
+            compiling.inductor_options(levers.effective(cfg))
             assert getattr(inductor, option) is on
             assert not any(getattr(inductor, o) for o in saved if o != option)  # the other lever stays off
         cfg.perf, cfg.determinism.enabled = dataclasses.replace(cfg.perf, **{key: True}), True
@@ -150,7 +151,7 @@ def test_compiled_blocks_step_aside_under_a_dispatch_mode():
     """FlopCounterMode around a compiled block would make dynamo skip its code for good."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    call = levers._CompiledCall(lambda x: ("eager", x), lambda x: ("compiled", x))
+    call = compiling._CompiledCall(lambda x: ("eager", x), lambda x: ("compiled", x))
     assert call(1) == ("compiled", 1)
     with FlopCounterMode(display=False):
         assert call(1) == ("eager", 1)
@@ -188,11 +189,11 @@ def test_stacked_merge_gives_each_layer_its_own_merged_weight(one_scale):
     reference = copy.deepcopy(tr)
     with torch.no_grad():
         for layer in levers.lora_layers(reference):
-            levers._merge_one(layer)
+            lora_merge._merge_one(layer)
     want = [layer.get_base_layer().weight.detach().clone() for layer in levers.lora_layers(reference)]
     before = [layer.get_base_layer().weight.detach().clone() for layer in layers]
-    assert all(levers._plain_adapter(layer) == "default" for layer in layers)
-    assert len(levers._merge_groups([(layer, "default") for layer in layers], most=4)) > 1  # groups split at `most`
+    assert all(lora_merge._plain_adapter(layer) == "default" for layer in layers)
+    assert len(lora_merge._merge_groups([(layer, "default") for layer in layers], most=4)) > 1  # groups split at `most`
     with levers.merged_lora(policy):
         for layer, w, b in zip(layers, want, before):
             got = layer.get_base_layer().weight
@@ -208,7 +209,7 @@ def test_a_layer_with_a_transposed_lora_is_merged_on_its_own():
     layers = levers.lora_layers(policy.transformer)
     odd = layers[0]
     odd.fan_in_fan_out = True  # peft's Conv1D layout: delta transposed (square here)
-    assert levers._plain_adapter(odd) is None and levers._plain_adapter(layers[1]) == "default"
+    assert lora_merge._plain_adapter(odd) is None and lora_merge._plain_adapter(layers[1]) == "default"
     w = odd.get_base_layer().weight
     before = w.detach().clone()
     a, b = odd.lora_A["default"].weight.float(), odd.lora_B["default"].weight.float()

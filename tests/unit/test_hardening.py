@@ -25,7 +25,8 @@ from hardening_tools import fuzz, payload_bytes, remount_read_only, small_tmpfs
 from hpcnft.io import checkpoint
 from hpcnft.common import determinism
 from hpcnft.io import runfile
-from hpcnft.cli.main import UsageError
+from hpcnft.io.run_writer import RunFileWriter
+from hpcnft.common.errors import UsageError
 from hpcnft.common.config import ConfigError, load_config
 from hpcnft.dist.reward_service import (DONE, ERROR, EVAL, MAX_CHUNK, MAX_SIDE, ROLLOUT, SNAPSHOT, RewardServiceError,
                                    validate_header)
@@ -55,7 +56,7 @@ def _tiny_policy(seed: int = 0, width: int = 32):
 def _checkpoint(run_dir: str, step: int, seed: int = 0, width: int = 32, keep: int = 2) -> str:
     policy, opt = _tiny_policy(seed, width)
     checkpoint.save(run_dir, step, policy, opt, None, True, 0, determinism.capture_rng_state())
-    return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, 4 * step, {}), '{"steps": 3}', keep)
+    return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), '{"steps": 3}', keep)
 
 
 def _byte_item(path: str):
@@ -226,7 +227,7 @@ def test_model_folder_pickles_are_never_loaded(hostile_models, part, bin_name, k
 def writer_made_run(path: str, steps: int = 4) -> None:
     """A run file laid out by hpcnft's own writer exactly as a run writes it."""
     cfg = load_config("tiny", steps=steps)
-    w = runfile.RunFileWriter(path, cfg.to_json(), "test")
+    w = RunFileWriter(path, cfg.to_json(), "test")
     w.set_topology({"world_size": 3, "train_ranks": [0, 1], "reward_ranks": [2], "hosts": ["h"] * 3})
     w.truncate_after(-1)
     w.add_attempt({"started": "now", "from_step": 0, "slurm_job_id": "", "restart_count": 0})
@@ -270,7 +271,7 @@ def test_a_fifo_is_refused_rather_than_read(tmp_path):
         rc, _, err, tb = call_cli(argv)
         assert tb is None and rc == 2 and "not a regular file" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(runfile.RunFileError, match="not a regular file"):
-        runfile.RunFileWriter(str(fifo), "{}", "x")
+        RunFileWriter(str(fifo), "{}", "x")
 
 
 # =============================================================================================
@@ -364,17 +365,17 @@ def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
     assert killed.returncode == -signal.SIGUSR2  # what a rank without retire() meets
 
 
-def test_run_rank_retires_its_preempt_flag_on_every_way_out(tmp_path):
+def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
     import signal
 
     from hpcnft.dist.launch import detect
-    from hpcnft.algo.iteration import EXIT_BAD_INPUT
-    from hpcnft.run.job import run_rank
+    from hpcnft.common.errors import EXIT_BAD_INPUT
+    from hpcnft.run.entry import rank_main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
-        assert run_rank(cfg, detect({}), "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
+        assert rank_main(cfg, detect({}), "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
     finally:
@@ -484,7 +485,7 @@ def test_a_failed_commit_removes_the_partial_and_names_it(tmp_path, monkeypatch)
 
     monkeypatch.setattr(checkpoint.os, "fsync", full)
     with pytest.raises(checkpoint.CheckpointError, match="step_000002.partial: cannot write the checkpoint"):
-        checkpoint.commit(run_dir, 2, checkpoint.TrainState(2, 8, {}), "{}", keep=1)
+        checkpoint.commit(run_dir, 2, checkpoint.TrainState(2, {}), "{}", keep=1)
     monkeypatch.undo()
     assert not os.path.exists(checkpoint.partial_dir(run_dir, 2))
     assert checkpoint.list_checkpoints(run_dir) == [(1, good)] and checkpoint.problems(good) is None
@@ -494,7 +495,7 @@ def test_a_failed_commit_removes_the_partial_and_names_it(tmp_path, monkeypatch)
 
 def test_run_file_write_failures_name_the_file_and_keep_the_rows(tmp_path, monkeypatch):
     path = str(tmp_path / "run.h5")
-    w = runfile.RunFileWriter(path, "{}", "x")
+    w = RunFileWriter(path, "{}", "x")
     w.append_metrics(1, {"train/nft_loss": 1.5})
     import h5py
 
@@ -517,7 +518,8 @@ def test_a_full_tmpfs_fails_run_file_appends_cleanly(tmp_path):
     mnt = str(tmp_path / "mnt")
     code = f"""
 import sys
-from hpcnft.io.runfile import RunFileWriter, RunFileError, PER_STEP_KEYS, read_run
+from hpcnft.io.run_writer import RunFileWriter
+from hpcnft.io.runfile import RunFileError, PER_STEP_KEYS, read_run
 p = {mnt + '/run.h5'!r}
 w = RunFileWriter(p, "{{}}", "x")
 done = 0
@@ -567,7 +569,7 @@ def test_a_full_tmpfs_fails_a_checkpoint_cleanly(tmp_path):
 
 
 def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
-    from hpcnft.cli.run import check_run_dir
+    from hpcnft.run.rundir import check_run_dir
 
     mnt = str(tmp_path / "mnt")
     with small_tmpfs(mnt, "4m"):
@@ -579,7 +581,7 @@ def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
         with pytest.raises(UsageError, match="is not writable"):
             check_run_dir(run_dir)
         with pytest.raises(runfile.RunFileError) as e:
-            runfile.RunFileWriter(h5, "{}", "x")
+            RunFileWriter(h5, "{}", "x")
         assert str(e.value).startswith(h5) and len(str(e.value).splitlines()) == 1
         with pytest.raises(checkpoint.CheckpointError, match="Read-only file system") as e:
             _checkpoint(run_dir, 2)

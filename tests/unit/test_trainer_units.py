@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hpcnft.common.config import load_config
-from hpcnft.algo.trainer import LossScaler, pair_noise, train_sigma_pairs
+from hpcnft.algo.pairs import pair_noise, train_sigma_pairs
+from hpcnft.algo.trainer import LossScaler
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +164,8 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
 # PairNoise: the step's pair noise, prefetched in a worker thread or drawn in line, same values
 # ---------------------------------------------------------------------------------------------
 def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(thread_spy):
-    from hpcnft.algo import trainer as trainer_mod
-    from hpcnft.algo.trainer import PairNoise
+    from hpcnft.algo import pairs as trainer_mod
+    from hpcnft.algo.pairs import PairNoise
 
     cfg = load_config("tiny", [])
     ids, shape, step = [4, 5, 6], (2, 4, 4), 3
@@ -183,7 +184,7 @@ def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(t
 
 
 def test_pair_noise_prefetched_for_other_samples_is_not_used():
-    from hpcnft.algo.trainer import PairNoise
+    from hpcnft.algo.pairs import PairNoise
 
     cfg = load_config("tiny", [])
     shape = (2, 4, 4)

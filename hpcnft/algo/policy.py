@@ -1,0 +1,124 @@
+"""The trained DiT: LoRA (peft) or full fine-tune under FSDP2, and the old policy pi_old as an
+EMA shadow of the trainable parameters, swapped into the live parameters (no gradient) to sample
+rollouts and to compute v_old, as miles' `--ref-mode ema`."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from hpcnft.common.config import Config
+from hpcnft.common.determinism import stable_hash
+from hpcnft.common.tensors import local_shard
+from hpcnft.perf import levers
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
+    """peft LoRA on the configured projections, 'gaussian' init (B = 0: the step-0 model is the
+    base), trained weights in fp32."""
+    from peft import LoraConfig
+
+    t = cfg.train
+    lora = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, init_lora_weights="gaussian",
+                      target_modules=list(t.lora_targets))
+    # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
+    # global state back so nothing else depends on this draw.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(stable_hash("lora_init", t.seed))
+        transformer.add_adapter(lora)
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+
+
+class Policy:
+    def __init__(self, cfg: Config, transformer: torch.nn.Module, device: torch.device, mesh):
+        self.cfg, self.device = cfg, device
+        self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
+        self.transformer = transformer
+        self._prepare(mesh)
+        levers.prepare_policy(self)  # perf levers applied at construction (regional compile)
+        self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
+        self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
+        self.shadow = [local_shard(p).detach().clone() for p in self.trainable]
+
+    def _prepare(self, mesh) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        cfg, tr = self.cfg.train, self.transformer
+        if cfg.finetune == "lora":
+            add_lora(self.transformer, self.cfg)
+        else:
+            tr.requires_grad_(True)
+        # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
+        if self.compute_dtype != torch.float32:
+            for p in tr.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(self.compute_dtype)
+            # Under autocast the LoRA matmuls run in the compute dtype whatever the input's dtype:
+            # peft's cast of each activation to the fp32 master dtype would only add an exact
+            # round-trip copy (forward and backward) per LoRA linear.
+            for layer in levers.lora_layers(tr):
+                layer.cast_input_dtype_enabled = False
+        if cfg.grad_checkpointing:
+            tr.enable_gradient_checkpointing()
+        tr.to(self.device)
+        if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
+            return
+        # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
+        # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
+        if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
+            for module in tr.modules():
+                if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
+                    fully_shard(module, mesh=mesh)
+        for block in tr.transformer_blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(tr, mesh=mesh)
+
+    # -- old policy ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def old_weights(self, fp8_gemms: str | None = None):
+        """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
+        of the lever that asks for it) the blocks' GEMMs multiply in fp8 (hpcnft.fp8)."""
+        with torch.no_grad():
+            live = [local_shard(p).detach().clone() for p in self.trainable]
+            for p, s in zip(self.trainable, self.shadow):
+                local_shard(p).copy_(s)
+        try:
+            with levers.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
+                with levers.fp8_blocks(self, fp8_gemms):
+                    yield
+        finally:
+            with torch.no_grad():
+                for p, x in zip(self.trainable, live):
+                    local_shard(p).copy_(x)
+
+    def rollout_weights(self):
+        """pi_old for the rollout: old_weights, in fp8 under perf.rollout_fp8."""
+        return self.old_weights("perf.rollout_fp8" if levers.effective(self.cfg).rollout_fp8 else None)
+
+    def v_old_weights(self):
+        """pi_old for the train step's v_old pass: old_weights, in fp8 under perf.v_old_fp8."""
+        return self.old_weights("perf.v_old_fp8" if levers.effective(self.cfg).v_old_fp8 else None)
+
+    @contextlib.contextmanager
+    def base_weights(self):
+        """The frozen base model (LoRA adapters off), for the KL reference."""
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    @torch.no_grad()
+    def ema_update(self, decay: float) -> None:
+        """theta_old <- decay * theta_old + (1 - decay) * theta."""
+        for s, p in zip(self.shadow, self.trainable):
+            s.mul_(decay).add_(local_shard(p).detach(), alpha=1.0 - decay)
+
+    def autocast(self):
+        if self.compute_dtype == torch.float32:
+            return levers.with_attention(self.cfg, contextlib.nullcontext())
+        return levers.with_attention(self.cfg, torch.autocast(self.device.type, dtype=self.compute_dtype))

@@ -1,0 +1,48 @@
+"""`hpcnft submit`: the run's arguments plus submitit's resources; --wait follows the job."""
+from __future__ import annotations
+
+import sys
+import time
+
+from hpcnft.cli.run import add_arguments as add_run_arguments
+from hpcnft.run.submit import submit
+
+
+def add_arguments(name: str, p) -> None:
+    add_run_arguments("run", p)
+    p.add_argument("--cluster", default="slurm", help="slurm, local or debug (in this process)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tasks-per-node", type=int, default=3, help="ranks per node (default 3: 2 train + 1 reward)")
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--cpus-per-task", type=int, default=1)
+    p.add_argument("--time", type=int, default=60, metavar="MINUTES", help="time limit")
+    p.add_argument("--partition")
+    p.add_argument("--account")
+    p.add_argument("--mem-gb", type=float)
+    p.add_argument("--folder", help="submitit's folder (default RUN_DIR/submitit)")
+    p.add_argument("--wait", action="store_true", help="follow the job until it ends")
+
+
+def main(name: str, args) -> int:
+    job = submit(args.recipe, args.cluster, args.overrides, args.run_dir, args.steps, args.nodes,
+                 args.tasks_per_node, args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
+                 args.account, args.mem_gb, args.folder)
+    run_dir = job.submission().args[2] if hasattr(job, "submission") else args.run_dir
+    print(f"submitted job {job.job_id} | run dir {run_dir}", flush=True)
+    if not args.wait:
+        return 0
+    return follow(job)
+
+
+def follow(job) -> int:
+    while not job.done():
+        time.sleep(2)
+    try:
+        job.results()
+    except Exception as e:  # noqa: BLE001 - submitit's failure, as one line
+        text = str(e).strip().splitlines()  # submitit's last line names the failure
+        print(f"hpcnft submit: job {job.job_id} failed: {text[-1] if text else type(e).__name__}",
+              file=sys.stderr)
+        return 1
+    print(f"job {job.job_id} finished: {job.state}")
+    return 0

@@ -1,0 +1,25 @@
+"""Errors every layer shares, the process exit codes, and errors as one line."""
+from __future__ import annotations
+
+# A rank's and the command's exit codes; 75 (EX_TEMPFAIL) tells Slurm and submitit to requeue.
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased for the user in one line."""
+
+
+def first_line(e: BaseException, default: str = "") -> str:
+    """The first line of an error's message: library errors often carry a traceback or a stack
+    of causes, and a failure is reported as one line."""
+    text = str(e).strip().splitlines()
+    return text[0] if text else default
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: first line of the message`."""
+    return f"{type(e).__name__}: {first_line(e)}"

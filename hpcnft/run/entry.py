@@ -1,0 +1,80 @@
+"""A rank's process from start to exit code: determinism, the preempt flag, the models, the
+process group, then the train job or the reward service. Bad input exits 2, a failure 1 (one
+line naming the rank, the traceback in its log), preemption 75."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from hpcnft.algo.prompts import PromptFileError
+from hpcnft.common import determinism
+from hpcnft.common.config import Config, ConfigError
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from hpcnft.dist import groups
+from hpcnft.dist.launch import LaunchInfo
+from hpcnft.dist.preempt import PreemptFlag
+from hpcnft.models.loading import ModelError, resolve_model_paths
+from hpcnft.run.job import train_main
+from hpcnft.run.output import fail_line, log, log_exception, print_err, setup_logging
+from hpcnft.run.reward_rank import reward_main
+from hpcnft.run.rundir import default_run_dir
+
+BAD_INPUT = (ModelError, PromptFileError, ConfigError)
+
+
+def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
+    """Every rank must write into the same run dir: rank 0's choice wins."""
+    choice = [cfg.run_dir or default_run_dir(recipe)]
+    dist.broadcast_object_list(choice, src=0)
+    cfg.run_dir = choice[0]
+    return cfg.run_dir
+
+
+def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
+    device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
+    determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
+    if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
+        info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
+    flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    try:
+        return _rank_main(cfg, info, recipe, flag)
+    finally:
+        flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
+
+
+def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
+    os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
+    try:
+        # The tiny models are built (once, under a file lock) before the process group exists:
+        # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
+        resolve_model_paths(cfg)
+    except BAD_INPUT as e:
+        print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
+        return EXIT_BAD_INPUT
+    try:
+        topo, group, mesh = groups.setup(cfg, info)
+    except groups.RendezvousError as e:
+        print_err(str(e))
+        return EXIT_FAILED
+    agree_run_dir(cfg, recipe, topo)
+    setup_logging(cfg.run_dir, topo.rank)
+    log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
+             topo.launcher)
+    try:
+        if cfg.samples_per_step % len(topo.train_ranks):
+            raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
+                              f"{len(topo.train_ranks)} train ranks")
+        code = reward_main(cfg, topo, flag) if topo.role == "reward" else train_main(cfg, topo, group, mesh, flag)
+    except BAD_INPUT as e:
+        log_exception(topo, e)
+        print_err(fail_line(topo, e))
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001 - one line out, the traceback in the rank's log
+        log_exception(topo, e)
+        print_err(fail_line(topo, e) + f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
+        return EXIT_FAILED
+    groups.teardown()
+    return code

@@ -1,0 +1,40 @@
+"""The reward rank's run: load PickScore, restore its RNG state from the checkpoint, and serve
+the train ranks' score requests until they finish or the job is preempted."""
+from __future__ import annotations
+
+import torch
+
+from hpcnft.algo.reward import PickScoreScorer, make_score_fn
+from hpcnft.common import determinism
+from hpcnft.common.config import Config
+from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
+from hpcnft.dist.preempt import PreemptFlag
+from hpcnft.dist.reward_service import serve
+from hpcnft.io import checkpoint
+from hpcnft.models.loading import load_pickscore, resolve_model_paths
+from hpcnft.perf import levers
+from hpcnft.run.output import log
+
+
+def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
+    paths = resolve_model_paths(cfg)
+    scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
+    return levers.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
+
+
+def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
+    score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
+    found = checkpoint.latest_usable(cfg.run_dir, log.warning)
+    blob = checkpoint.read_rng(found[1], topo.rank) if found else None
+    if blob is not None:
+        determinism.restore_rng_state(blob)
+
+    def snapshot(step: int) -> None:
+        with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
+            f.write(determinism.capture_rng_state())
+
+    log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
+    stats = serve(topo.clients_of(topo.rank), score_fn, topo.comm_device, cfg.layout.timeout_s, log,
+                  snapshot, flag)
+    log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
+    return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
