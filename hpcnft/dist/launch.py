@@ -1,8 +1,9 @@
 """Who am I: launcher detection from the environment (pure: reads a mapping, imports no torch).
 
 `detect(os.environ)` answers rank, world size, local rank, master address/port, Slurm job id and
-restart count for every way hpcnft is started on a cluster. Detection order, first match wins
-(hpc_notes.md §5.2 shows why; each row of its table is a unit test):
+restart count for every way hpcnft is started on a cluster. The variables each launcher sets are
+a table (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small reader per launcher applies its rules.
+Detection order, first match wins (each row is a unit test):
 
 1. ``RANK``/``WORLD_SIZE``           torchrun, submitit's TorchDistributedEnvironment.export()
 2. ``OMPI_COMM_WORLD_*``             Open MPI ``mpirun`` (also inside sbatch, where every rank
@@ -39,7 +40,7 @@ from typing import Callable, Mapping
 from hpcnft.dist.nodelist import DEFAULT_PORT, LaunchError, NodelistError, job_port, parse_nodelist
 
 __all__ = ["LaunchInfo", "LaunchError", "NodelistError", "detect", "parse_nodelist", "job_port",
-           "LAUNCHERS", "DEFAULT_PORT"]
+           "LAUNCHERS", "DEFAULT_PORT", "EnvNames", "LAUNCHER_ENV", "SLURM_ENV"]
 
 LAUNCHERS = ("torchrun", "openmpi", "pmi", "pmix", "slurm", "none")
 LOOPBACK = "127.0.0.1"
@@ -71,6 +72,44 @@ class LaunchInfo:
                 f"node {self.node_rank} master {self.master_addr}:{self.master_port}{job}")
 
 
+# -------------------------------------------------------------------- the environment's names
+
+@dataclass(frozen=True)
+class EnvNames:
+    """Where one launcher puts a rank's facts, as submitit's JobEnvironment does (None: the
+    launcher does not say)."""
+    launcher: str
+    rank: str
+    world: str | None
+    local_rank: str | None = None
+    local_size: str | None = None
+    node_rank: str | None = None
+
+
+# Detection order, first match wins; a launcher is recognised by its `rank` variable.
+LAUNCHER_ENV = (
+    EnvNames("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", None, "GROUP_RANK"),
+    EnvNames("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    EnvNames("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # local: MPICH's hydra only
+    EnvNames("pmix", "PMIX_RANK", None),  # the size comes from MPI
+    EnvNames("slurm", "SLURM_PROCID", None, "SLURM_LOCALID", None, "SLURM_NODEID"),  # size: SLURM_ENV["ntasks"]
+)
+
+# Slurm's names; where several are given, the first one set wins.
+SLURM_ENV = {
+    "job_id": ("SLURM_JOB_ID", "SLURM_JOBID"),
+    "step_id": ("SLURM_STEP_ID", "SLURM_STEPID"),  # set inside an srun step only
+    "restart_count": ("SLURM_RESTART_COUNT",),
+    "ntasks": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"),
+    "step_nodelist": ("SLURM_STEP_NODELIST",),
+    "job_nodelist": ("SLURM_JOB_NODELIST", "SLURM_NODELIST"),
+}
+# What tells one mpirun from another, for its port when no Slurm job id is there.
+MPIRUN_ID = ("OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE", "PMI_JOBID")
+MASTER_ENV = ("MASTER_ADDR", "MASTER_PORT")
+
+
 # ------------------------------------------------------------------------------------ helpers
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -85,8 +124,8 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         raise LaunchError(f"{name}={raw!r} is not an integer") from None
 
 
-def _opt_int(env: Mapping[str, str], name: str) -> int | None:
-    return _int(env, name) if (env.get(name) or "").strip() else None
+def _opt_int(env: Mapping[str, str], name: str | None) -> int | None:
+    return _int(env, name) if name and (env.get(name) or "").strip() else None
 
 
 def _first(env: Mapping[str, str], *names: str) -> str | None:
@@ -95,21 +134,6 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
         if v is not None and v.strip():
             return v.strip()
     return None
-
-
-def _slurm_job(env: Mapping[str, str]) -> str | None:
-    return _first(env, "SLURM_JOB_ID", "SLURM_JOBID")
-
-
-def _in_step(env: Mapping[str, str]) -> bool:
-    """True inside an srun step (srun sets SLURM_STEP_ID; the batch script has none)."""
-    return _first(env, "SLURM_STEP_ID", "SLURM_STEPID") is not None
-
-
-def _slurm_ntasks(env: Mapping[str, str]) -> int | None:
-    name = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-                 if (env.get(n) or "").strip()), None)
-    return _int(env, name) if name else None
 
 
 def _first_host(nodelist: str | None) -> str | None:
@@ -140,6 +164,187 @@ def _default_mpi_bcast_master() -> tuple[str, int]:
 
 
 _MPI_ERRORS = (ImportError, RuntimeError, OSError)
+_SLURM = {n.launcher: n for n in LAUNCHER_ENV}["slurm"]
+
+
+@dataclass(frozen=True)
+class _Env:
+    """The environment as detect() reads it: the launcher-independent facts, parsed once."""
+    env: Mapping[str, str]
+    job_id: str | None
+    restart: int
+    step: bool  # inside an srun step (the batch script itself is not a rank)
+    master_addr: str | None
+    master_port: int | None
+    procid: int | None
+    localid: int | None
+    nodeid: int | None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> _Env:
+        s = SLURM_ENV
+        return cls(env, _first(env, *s["job_id"]), _int(env, s["restart_count"][0], 0),
+                   _first(env, *s["step_id"]) is not None, _first(env, MASTER_ENV[0]), _opt_int(env, MASTER_ENV[1]),
+                   _opt_int(env, _SLURM.rank), _opt_int(env, _SLURM.local_rank), _opt_int(env, _SLURM.node_rank))
+
+    def ntasks(self) -> int | None:
+        name = next((n for n in SLURM_ENV["ntasks"] if (self.env.get(n) or "").strip()), None)
+        return _int(self.env, name) if name else None
+
+    def step_local(self, default: int = 0) -> int:
+        """Slurm's local id where srun started this very process (inside a step)."""
+        return self.localid if (self.step and self.localid is not None) else default
+
+    def slurm_port(self) -> int:
+        return self.master_port if self.master_port is not None else job_port(self.job_id)
+
+    def slurm_launched_addr(self) -> str:
+        """Ranks are srun's tasks (or torchrun/submitit that did not say): first step host."""
+        if self.master_addr:
+            return self.master_addr
+        if self.job_id:
+            host = (_first_host(_first(self.env, *SLURM_ENV["step_nodelist"]) if self.step else None)
+                    or _first_host(_first(self.env, *SLURM_ENV["job_nodelist"])))
+            if host:
+                return host
+        return LOOPBACK
+
+    def mpirun_master(self, all_local: bool | None, world: int, bcast) -> tuple[str, int]:
+        """Ranks started by an mpirun (OMPI or hydra), inside Slurm or not."""
+        if self.master_port is not None:
+            port = self.master_port
+        elif self.job_id:
+            port = job_port(self.job_id)
+        else:
+            key = _first(self.env, *MPIRUN_ID)
+            port = job_port(key) if key else DEFAULT_PORT
+        if self.master_addr:
+            return self.master_addr, port
+        if world == 1 or all_local:
+            return LOOPBACK, port
+        try:
+            host, bport = (bcast or _default_mpi_bcast_master)()
+        except _MPI_ERRORS as e:
+            # no mpi4py: under Slurm the batch host (first of the job's nodes) runs mpirun and rank 0
+            host = _first_host(_first(self.env, *SLURM_ENV["job_nodelist"])) if self.job_id else None
+            if not host:
+                raise LaunchError(f"ranks span several nodes and rank 0's address is unknown "
+                                  f"(set MASTER_ADDR, or install mpi4py: {e})") from None
+            return host, port
+        return host, (self.master_port if self.master_port is not None else int(bport))
+
+    def cross_check(self, world: int, rank: int, what: str, hint: str = "") -> None:
+        """The MPI world and srun's task set are the same launch: their sizes must agree."""
+        ntasks = self.ntasks()
+        if ntasks is not None and ntasks != world:
+            raise LaunchError(f"{what} world size {world} != SLURM_NTASKS={ntasks} (rank {rank})"
+                              + (f": {hint}" if hint else ""))
+
+    def info(self, names: EnvNames, rank: int, world: int, local: int, addr: str, port: int, node: int) -> LaunchInfo:
+        _check(rank, world, local, names)
+        return LaunchInfo(names.launcher, rank, world, local, addr, port, self.job_id, self.restart, node)
+
+
+_CHECK_LABEL = {"openmpi": "OMPI_COMM_WORLD", "slurm": "SLURM_PROCID/SLURM_NTASKS"}
+
+
+def _check(rank: int, world: int, local: int, names: EnvNames) -> None:
+    what = _CHECK_LABEL.get(names.launcher) or (names.rank if names.world is None else f"{names.rank}/{names.world}")
+    if world < 1:
+        raise LaunchError(f"{what}: world size {world} < 1")
+    if not 0 <= rank < world:
+        raise LaunchError(f"{what}: rank {rank} outside world size {world}")
+    if local < 0:
+        raise LaunchError(f"{what}: local rank {local} < 0")
+
+
+# ------------------------------------------------------------------- one reader per launcher
+
+def _torchrun(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
+    env = e.env
+    if not (n.rank in env and n.world in env):
+        have, missing = (n.rank, n.world) if n.rank in env else (n.world, n.rank)
+        raise LaunchError(f"{have} is set but {missing} is not")
+    rank, world = _int(env, n.rank), _int(env, n.world)
+    local = _opt_int(env, n.local_rank)
+    local = e.step_local() if local is None else local
+    node = _opt_int(env, n.node_rank)
+    node = (e.nodeid if (e.step and e.nodeid is not None) else 0) if node is None else node
+    return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), node)
+
+
+def _openmpi(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
+    env = e.env
+    rank, world = _int(env, n.rank), _int(env, n.world)
+    local = _int(env, n.local_rank, 0)
+    local_size = _opt_int(env, n.local_size)
+    _check(rank, world, local, n)
+    # Slurm variables here normally belong to the enclosing allocation (mpirun in sbatch:
+    # SLURM_PROCID=0 on every rank, SLURM_NTASKS of the allocation) or to the srun step
+    # that mpirun used to start its orted daemons. They describe the same launch only if
+    # srun started these very ranks: inside a step, no mpirun HNP, Slurm task id == rank.
+    if e.step and MPIRUN_ID[0] not in env and e.procid in (None, rank):
+        e.cross_check(world, rank, n.world)
+    all_local = None if local_size is None else local_size == world
+    addr, port = e.mpirun_master(all_local, world, bcast)
+    return e.info(n, rank, world, local, addr, port, 0)
+
+
+def _pmi(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
+    env = e.env
+    rank, world = _int(env, n.rank), _int(env, n.world)
+    hydra = n.local_rank in env  # set by MPICH's hydra, not by Slurm's pmi2
+    local = _int(env, n.local_rank) if hydra else e.step_local()
+    _check(rank, world, local, n)
+    if e.step and not hydra and e.procid in (None, rank):
+        e.cross_check(world, rank, n.world)
+        return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
+    local_size = _opt_int(env, n.local_size)
+    all_local = None if local_size is None else local_size == world
+    addr, port = e.mpirun_master(all_local, world, bcast)
+    return e.info(n, rank, world, local, addr, port, 0)
+
+
+def _pmix(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
+    rank = _int(e.env, n.rank)
+    ntasks = e.ntasks() if e.step else None
+    try:
+        world = int((mpi_size or _default_mpi_size)())
+    except _MPI_ERRORS as err:
+        if ntasks is None:
+            raise LaunchError(f"{n.rank}={rank} is set but the world size is unknown "
+                              f"(no Slurm step, MPI unavailable: {err})") from None
+        world = ntasks
+    local = e.step_local()
+    if e.step:
+        e.cross_check(world, rank, "MPI", "the MPI library did not join srun's PMIx job "
+                      "(MPICH? use srun --mpi=pmi2; Open MPI: srun --mpi=pmix)")
+        if e.procid is not None and e.procid != rank:
+            raise LaunchError(f"{n.rank}={rank} != {_SLURM.rank}={e.procid}")
+    _check(rank, world, local, n)
+    if e.step:
+        return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
+    addr, port = e.mpirun_master(None, world, bcast)
+    return e.info(n, rank, world, local, addr, port, 0)
+
+
+def _slurm(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
+    world = e.ntasks()
+    if world is None:
+        raise LaunchError(f"{n.rank}={e.procid} is set but SLURM_NTASKS is not")
+    local = e.localid if e.localid is not None else 0
+    return e.info(n, e.procid, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
+
+
+_READERS = {"torchrun": _torchrun, "openmpi": _openmpi, "pmi": _pmi, "pmix": _pmix, "slurm": _slurm}
+
+
+def _launched_by(e: _Env, n: EnvNames) -> bool:
+    if n.launcher == "torchrun":  # either variable: the other one missing is an error
+        return n.rank in e.env or n.world in e.env
+    if n.launcher == "slurm":  # plain srun: only inside a step
+        return e.step and e.procid is not None
+    return n.rank in e.env
 
 
 def detect(env: Mapping[str, str], *, mpi_size: Callable[[], int] | None = None,
@@ -151,154 +356,9 @@ def detect(env: Mapping[str, str], *, mpi_size: Callable[[], int] | None = None,
     broadcast with mpi4py) only for an mpirun spanning several nodes with no ``MASTER_ADDR``.
     Both are collective under MPI: every rank of the job must call detect().
     """
-    job_id = _slurm_job(env)
-    restart = _int(env, "SLURM_RESTART_COUNT", 0)
-    step = _in_step(env)
-    master_addr_env = _first(env, "MASTER_ADDR")
-    master_port_env = _opt_int(env, "MASTER_PORT")
-    slurm_procid = _opt_int(env, "SLURM_PROCID")
-    slurm_localid = _opt_int(env, "SLURM_LOCALID")
-    slurm_nodeid = _opt_int(env, "SLURM_NODEID")
-    step_nodelist = _first(env, "SLURM_STEP_NODELIST")
-    job_nodelist = _first(env, "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-
-    def slurm_port() -> int:
-        return master_port_env if master_port_env is not None else job_port(job_id)
-
-    def slurm_launched_addr() -> str:
-        """Ranks are srun's tasks (or torchrun/submitit that did not say): first step host."""
-        if master_addr_env:
-            return master_addr_env
-        if job_id:
-            host = _first_host(step_nodelist if step else None) or _first_host(job_nodelist)
-            if host:
-                return host
-        return LOOPBACK
-
-    def mpirun_master(all_local: bool | None, world: int) -> tuple[str, int]:
-        """Ranks started by an mpirun (OMPI or hydra), inside Slurm or not."""
-        port_keys = ("OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE", "PMI_JOBID")
-        if master_port_env is not None:
-            port = master_port_env
-        elif job_id:
-            port = job_port(job_id)
-        else:
-            key = _first(env, *port_keys)
-            port = job_port(key) if key else DEFAULT_PORT
-        if master_addr_env:
-            return master_addr_env, port
-        if world == 1 or all_local:
-            return LOOPBACK, port
-        try:
-            host, bport = (mpi_bcast_master or _default_mpi_bcast_master)()
-        except _MPI_ERRORS as e:
-            # no mpi4py: under Slurm the batch host (first of the job's nodes) runs mpirun and rank 0
-            host = _first_host(job_nodelist) if job_id else None
-            if not host:
-                raise LaunchError(f"ranks span several nodes and rank 0's address is unknown "
-                                  f"(set MASTER_ADDR, or install mpi4py: {e})") from None
-            return host, port
-        return host, (master_port_env if master_port_env is not None else int(bport))
-
-    def check(rank: int, world: int, local: int, what: str) -> None:
-        if world < 1:
-            raise LaunchError(f"{what}: world size {world} < 1")
-        if not 0 <= rank < world:
-            raise LaunchError(f"{what}: rank {rank} outside world size {world}")
-        if local < 0:
-            raise LaunchError(f"{what}: local rank {local} < 0")
-
-    def cross_check_slurm(world: int, rank: int, what: str, hint: str = "") -> None:
-        """The MPI world and srun's task set are the same launch: their sizes must agree."""
-        ntasks = _slurm_ntasks(env)
-        if ntasks is not None and ntasks != world:
-            raise LaunchError(f"{what} world size {world} != SLURM_NTASKS={ntasks} (rank {rank})"
-                              + (f": {hint}" if hint else ""))
-
-    # 1. torchrun / submitit export
-    if "RANK" in env or "WORLD_SIZE" in env:
-        if not ("RANK" in env and "WORLD_SIZE" in env):
-            have, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-            raise LaunchError(f"{have} is set but {missing} is not")
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local = _opt_int(env, "LOCAL_RANK")
-        if local is None:
-            local = slurm_localid if (step and slurm_localid is not None) else 0
-        node = _opt_int(env, "GROUP_RANK")
-        if node is None:
-            node = slurm_nodeid if (step and slurm_nodeid is not None) else 0
-        check(rank, world, local, "RANK/WORLD_SIZE")
-        return LaunchInfo("torchrun", rank, world, local, slurm_launched_addr(), slurm_port(),
-                          job_id, restart, node)
-
-    # 2. Open MPI mpirun
-    if "OMPI_COMM_WORLD_RANK" in env:
-        rank, world = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
-        local_size = _opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-        check(rank, world, local, "OMPI_COMM_WORLD")
-        # Slurm variables here normally belong to the enclosing allocation (mpirun in sbatch:
-        # SLURM_PROCID=0 on every rank, SLURM_NTASKS of the allocation) or to the srun step
-        # that mpirun used to start its orted daemons. They describe the same launch only if
-        # srun started these very ranks: inside a step, no mpirun HNP, Slurm task id == rank.
-        if step and "OMPI_MCA_orte_hnp_uri" not in env and slurm_procid in (None, rank):
-            cross_check_slurm(world, rank, "OMPI_COMM_WORLD_SIZE")
-        all_local = None if local_size is None else local_size == world
-        addr, port = mpirun_master(all_local, world)
-        return LaunchInfo("openmpi", rank, world, local, addr, port, job_id, restart, 0)
-
-    # 3. PMI (MPICH hydra, srun --mpi=pmi2)
-    if "PMI_RANK" in env:
-        rank, world = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-        hydra = "MPI_LOCALRANKID" in env          # set by MPICH's hydra, not by Slurm's pmi2
-        if hydra:
-            local = _int(env, "MPI_LOCALRANKID")
-        else:
-            local = slurm_localid if (step and slurm_localid is not None) else 0
-        check(rank, world, local, "PMI_RANK/PMI_SIZE")
-        if step and not hydra and slurm_procid in (None, rank):
-            cross_check_slurm(world, rank, "PMI_SIZE")
-            return LaunchInfo("pmi", rank, world, local, slurm_launched_addr(), slurm_port(),
-                              job_id, restart, slurm_nodeid or 0)
-        local_size = _opt_int(env, "MPI_LOCALNRANKS")
-        all_local = None if local_size is None else local_size == world
-        addr, port = mpirun_master(all_local, world)
-        return LaunchInfo("pmi", rank, world, local, addr, port, job_id, restart, 0)
-
-    # 4. PMIx without Open MPI's mpirun variables: srun --mpi=pmix
-    if "PMIX_RANK" in env:
-        rank = _int(env, "PMIX_RANK")
-        ntasks = _slurm_ntasks(env) if step else None
-        try:
-            world = int((mpi_size or _default_mpi_size)())
-        except _MPI_ERRORS as e:
-            if ntasks is None:
-                raise LaunchError(f"PMIX_RANK={rank} is set but the world size is unknown "
-                                  f"(no Slurm step, MPI unavailable: {e})") from None
-            world = ntasks
-        local = slurm_localid if (step and slurm_localid is not None) else 0
-        if step:
-            cross_check_slurm(world, rank, "MPI", "the MPI library did not join srun's PMIx job "
-                              "(MPICH? use srun --mpi=pmi2; Open MPI: srun --mpi=pmix)")
-            if slurm_procid is not None and slurm_procid != rank:
-                raise LaunchError(f"PMIX_RANK={rank} != SLURM_PROCID={slurm_procid}")
-        check(rank, world, local, "PMIX_RANK")
-        if step:
-            return LaunchInfo("pmix", rank, world, local, slurm_launched_addr(), slurm_port(),
-                              job_id, restart, slurm_nodeid or 0)
-        addr, port = mpirun_master(None, world)
-        return LaunchInfo("pmix", rank, world, local, addr, port, job_id, restart, 0)
-
-    # 5. plain srun: only inside a step; the batch script (no SLURM_STEP_ID) is not a rank
-    if step and slurm_procid is not None:
-        world = _slurm_ntasks(env)
-        if world is None:
-            raise LaunchError(f"SLURM_PROCID={slurm_procid} is set but SLURM_NTASKS is not")
-        local = slurm_localid if slurm_localid is not None else 0
-        check(slurm_procid, world, local, "SLURM_PROCID/SLURM_NTASKS")
-        return LaunchInfo("slurm", slurm_procid, world, local, slurm_launched_addr(), slurm_port(),
-                          job_id, restart, slurm_nodeid or 0)
-
-    # 6. no launcher: one process (which spawns local ranks, so the master is this host)
-    return LaunchInfo("none", 0, 1, 0, master_addr_env or LOOPBACK, slurm_port(), job_id,
-                      restart, 0)
+    e = _Env.read(env)
+    for names in LAUNCHER_ENV:
+        if _launched_by(e, names):
+            return _READERS[names.launcher](e, names, mpi_size, mpi_bcast_master)
+    # no launcher: one process (which spawns local ranks, so the master is this host)
+    return LaunchInfo("none", 0, 1, 0, e.master_addr or LOOPBACK, e.slurm_port(), e.job_id, e.restart, 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hpcnft.dist.launch import (
+    LAUNCHER_ENV,
     DEFAULT_PORT,
     LaunchError,
     LaunchInfo,
@@ -370,3 +371,36 @@ def test_a_failed_rendezvous_is_one_line_with_the_fix_when_the_port_is_taken():
     late = RuntimeError("Timed out after 1801 seconds waiting for clients. 2/3 clients joined.\nmore detail")
     assert str(rendezvous_error(late, info)) == ("rank 1 cannot rendezvous at node7:20042: Timed out after 1801 "
                                                  "seconds waiting for clients. 2/3 clients joined.")
+
+
+# ------------------------------------------------------------------ the table of names
+def test_the_table_names_each_launchers_variables_in_detection_order():
+    from hpcnft.dist.launch import LAUNCHERS, SLURM_ENV
+
+    assert [n.launcher for n in LAUNCHER_ENV] + ["none"] == list(LAUNCHERS)
+    rows = {n.launcher: (n.rank, n.world, n.local_rank, n.local_size, n.node_rank) for n in LAUNCHER_ENV}
+    assert rows == {
+        "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", None, "GROUP_RANK"),
+        "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE", None),
+        "pmi": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),
+        "pmix": ("PMIX_RANK", None, None, None, None),
+        "slurm": ("SLURM_PROCID", None, "SLURM_LOCALID", None, "SLURM_NODEID"),
+    }
+    assert SLURM_ENV["job_id"] == ("SLURM_JOB_ID", "SLURM_JOBID")
+    assert SLURM_ENV["ntasks"][0] == "SLURM_STEP_NUM_TASKS"  # a step's own size before the allocation's
+
+
+@pytest.mark.parametrize("names", LAUNCHER_ENV, ids=lambda n: n.launcher)
+def test_each_row_is_read_by_its_names(names):
+    """Rank 1 of 4 (local rank 1 where the launcher says) through exactly the row's variables."""
+    env = {names.rank: "1"}
+    if names.world:
+        env[names.world] = "4"
+    if names.launcher == "slurm":  # plain srun: inside a step, the size from SLURM_NTASKS
+        env |= {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "9"}
+    if names.local_rank:
+        env[names.local_rank] = "1"
+    info = detect(env, mpi_size=lambda: 4, mpi_bcast_master=lambda: ("host0", 1234))
+    assert (info.launcher, info.rank, info.world_size) == (names.launcher, 1, 4)
+    assert info.local_rank == (1 if names.local_rank else 0)
