@@ -1,5 +1,7 @@
-"""Helpers for tests/unit/test_hardening.py and tests/integration/test_hardening_runs.py:
-pickle payloads, a size-limited tmpfs, and fuzzing the readers of run files and standards.
+"""Helpers for the unit tests of hostile input and failed writes (test_checkpoint, test_runfile,
+test_rundir, ...) and tests/integration/test_hardening_runs.py: pickle payloads, a size-limited
+tmpfs, checkpoints and run files made by hpcnft's own writers, and fuzzing the readers of run
+files and standards.
 
 Fuzzing:
 
@@ -7,7 +9,7 @@ Cases are derived from one good run.h5 (and a standard recorded from it): random
 flips, wrong dtypes and shapes, missing groups and attributes, odd attribute values, files that
 are not HDF5 at all, an HDF5 file of another schema, and broken JSON standards. Each case is fed
 to `hpcnft show`, `compare`, `plot`, `export-metrics` (in process, through hpcnft.cli.main) and
-to the resume path's run-file open (cli_run.check_existing_run, RunFileWriter). A case passes
+to the resume path's run-file open (run.rundir.check_existing_run, RunFileWriter). A case passes
 when every consumer ends with exit 0 (compare: 0 or 1) or exit 2 with one line on stderr, and
 never with a traceback.
 
@@ -531,3 +533,59 @@ def fuzz(src: str, workdir: str, n: int, budget_s: float, seed: int = 0, plot_ev
     if died and last_begin is not None:
         died += f" during case {last_begin['begin']} ({last_begin['desc']})"
     return {"cases": cases, "problems": problems, "died": died}
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints and run files made by hpcnft's own writers
+# ---------------------------------------------------------------------------------------------
+def tiny_policy(seed: int = 0, width: int = 32):
+    """A Linear layer dressed as hpcnft's Policy (trainable params, old-policy shadow) + AdamW."""
+    import types
+
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(width, width)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    policy = types.SimpleNamespace(transformer=model, trainable_names=names, trainable=params,
+                                   shadow=[p.detach().clone() for p in params])
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return policy, opt
+
+
+def make_checkpoint(run_dir: str, step: int, seed: int = 0, width: int = 32, keep: int = 2) -> str:
+    from hpcnft.common import determinism
+    from hpcnft.io import checkpoint
+
+    policy, opt = tiny_policy(seed, width)
+    checkpoint.save(run_dir, step, policy, opt, None, True, 0, determinism.capture_rng_state())
+    return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), '{"steps": 3}', keep)
+
+
+def writer_made_run(path: str, steps: int = 4) -> None:
+    """A run file laid out by hpcnft's own writer exactly as a run writes it."""
+    from hpcnft.common import determinism
+    from hpcnft.common.config import load_config
+    from hpcnft.io import runfile
+    from hpcnft.io.run_writer import RunFileWriter
+
+    cfg = load_config("tiny", steps=steps)
+    w = RunFileWriter(path, cfg.to_json(), "test")
+    w.set_topology({"world_size": 3, "train_ranks": [0, 1], "reward_ranks": [2], "hosts": ["h"] * 3})
+    w.truncate_after(-1)
+    w.add_attempt({"started": "now", "from_step": 0, "slurm_job_id": "", "restart_count": 0})
+    w.event(0, "start", "local launch, world 3")
+    for step in range(1, steps + 1):
+        values = {k: step + i / 7 for i, k in enumerate(runfile.PER_STEP_KEYS)}
+        values["train/nft_loss"] = float("nan") if step == 2 else 60.0 + step
+        if step % 2 == 0:
+            values.update({k: 0.1 * step for k in runfile.EVAL_KEYS})
+        w.append_metrics(step, values)
+        if step % 2 == 0:
+            w.write_rng(step, {r: determinism.capture_rng_state() for r in range(3)})
+            w.event(step, "checkpoint", f"checkpoints/step_{step:06d}")
+    w.event(steps, "done", "finished")
+    w.close()

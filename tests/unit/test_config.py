@@ -1,6 +1,8 @@
 """hpcnft.config: recipes, --set parsing, refusals (architecture.md §2, nft_spec.md §5)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hpcnft.common.config import ConfigError, differing_keys, load_config, parse_set, recipe_names
@@ -181,3 +183,55 @@ def test_differing_keys_ignores_run_length_but_reports_the_rest():
     assert differing_keys(a, load_config("tiny", ["steps=99"]).to_dict()) == []
     assert differing_keys(a, load_config("tiny", ["steps=99", "optim.lr=1e-3"]).to_dict()) == ["optim.lr"]
     assert differing_keys(a, load_config("tiny", ["checkpoint.every=1", "nft.beta=0.5"]).to_dict()) == ["nft.beta"]
+
+
+# ---------------------------------------------------------------------------------------------
+# values and paths: typed, bounded, never interpreted by a shell
+# ---------------------------------------------------------------------------------------------
+NASTY = "x; touch MARKER 'q' \"dq\" $(touch M2) `touch M3` | cat"
+
+
+def test_nasty_strings_are_plain_values(tmp_path):
+    cfg = load_config("tiny", [f"data.train_prompts={tmp_path}/{NASTY}/p.txt"], run_dir=str(tmp_path / NASTY))
+    assert cfg.data.train_prompts == f"{tmp_path}/{NASTY}/p.txt"
+    assert cfg.run_dir == str(tmp_path / NASTY)
+
+
+def test_a_nasty_prompt_path_is_refused_in_one_line_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    from hpcnft import cli
+
+    monkeypatch.chdir(tmp_path)
+    umask = os.umask(0o022)
+    try:
+        rc = cli.main(["run", "tiny", "--run-dir", NASTY, "--set", f"data.train_prompts=/nonexistent/{NASTY}"])
+    finally:
+        os.umask(umask)  # `hpcnft run` sets the configured umask for its process
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "data.train_prompts" in err
+    assert os.listdir(tmp_path) == []  # no run dir, no MARKER, M2 or M3
+
+
+@pytest.mark.parametrize("item,message", [
+    ("umask=\"999\"", "umask: expected an octal mask"),
+    ("umask=77", "umask: expected a string"),
+    ("layout.timeout_s=inf", "layout.timeout_s: must be a finite number"),
+    ("layout.timeout_s=1e9", "layout.timeout_s: must be <= 86400"),
+    ("rollout.height=16384", "rollout.height: must be <= 8192"),
+    ("rollout.batch_size=99999", "rollout.batch_size: must be <= 4096"),
+    ("run_dir=\"a\\u0000b\"", "run_dir: must not contain NUL"),
+    ("data.eval_prompts=\"a\\nb\"", "data.eval_prompts: must not contain NUL or newline"),
+    ("steps=\"3; rm -rf /\"", "steps: expected an integer"),
+])
+def test_config_values_are_typed_and_bounded(item, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config("tiny", [item])
+
+
+def test_a_chunk_the_reward_service_would_refuse_is_a_config_error():
+    with pytest.raises(ConfigError, match="rollout.batch_size: a chunk of"):
+        load_config("sd35m_pickscore", ["rollout.height=8192", "rollout.width=8192", "rollout.batch_size=8"])
+
+
+def test_umask_is_a_config_value():
+    assert load_config("tiny").umask == "077"
+    assert load_config("tiny", ["umask=027"]).umask == "027"  # a bare word: the string "027"

@@ -231,3 +231,26 @@ def test_unbalanced_quote_refused(sandbox, var):
     assert proc.returncode == 2
     assert calls == []
     assert f"bad {var}" in proc.stderr
+
+
+NASTY = "x; touch MARKER 'q' \"dq\" $(touch M2) `touch M3` | cat"
+
+
+@pytest.mark.parametrize("script", ["sd3_pickscore.sbatch", "tiny.sbatch"])
+def test_sbatch_scripts_pass_a_nasty_run_dir_and_prompt_path_intact(tmp_path, script):
+    fake = tmp_path / "fake_hpcnft"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "RUN_DIR": NASTY,
+           "PYTHONPATH": str(ROOT),
+           "HPCNFT_CMD": str(fake), "HPCNFT_ARGS": f"--steps 1 --set 'data.train_prompts=/p/{NASTY.replace(chr(39), '')}'"}
+    r = subprocess.run(["bash", str(ROOT / "slurm" / script)], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[2:4] == ["--run-dir", str(work / NASTY)]
+    assert argv[4:] == ["--steps", "1", "--set", f"data.train_prompts=/p/{NASTY.replace(chr(39), '')}"]
+    assert sorted(os.listdir(work)) == [NASTY]  # the run dir only: no MARKER, M2, M3

@@ -1,0 +1,86 @@
+"""hpcnft.run: the job's pieces that need no model. Which checkpoint a run resumes from (and
+the refusal of one whose config differs), run file before requeue, failures as one line, the
+default run dir."""
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+
+from hardening_tools import tiny_policy
+from hpcnft.common import determinism
+from hpcnft.common.config import ConfigError, load_config
+from hpcnft.io import checkpoint
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
+
+
+def _checkpoint_of(cfg, run_dir: str, step: int) -> str:
+    policy, opt = tiny_policy()
+    checkpoint.save(run_dir, step, policy, opt, None, True, 0, determinism.capture_rng_state())
+    return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), cfg.to_json(), keep=3)
+
+
+def test_a_run_resumes_from_its_newest_checkpoint(tmp_path):
+    from hpcnft.run.resume import check_resumable
+
+    cfg = load_config("tiny", steps=4)
+    run_dir = str(tmp_path / "run")
+    assert check_resumable(cfg, run_dir, warn=print) is None  # nothing yet: a fresh start
+    _checkpoint_of(cfg, run_dir, 1)
+    newest = _checkpoint_of(cfg, run_dir, 2)
+    assert check_resumable(cfg, run_dir, warn=print) == (2, newest)
+    longer = load_config("tiny", ["checkpoint.every=5"], steps=9)  # run length and schedule may change
+    assert check_resumable(longer, run_dir, warn=print) == (2, newest)
+
+
+def test_a_checkpoint_of_another_config_is_refused_naming_the_keys(tmp_path):
+    from hpcnft.run.resume import check_resumable
+
+    run_dir = str(tmp_path / "run")
+    _checkpoint_of(load_config("tiny"), run_dir, 1)
+    other = load_config("tiny", ["optim.lr=0.5"])
+    with pytest.raises(ConfigError, match=r"config differs from its checkpoint in optim\.lr \(.* -> 0\.5\)"):
+        check_resumable(other, run_dir, warn=print)
+
+
+def test_agree_without_a_group_is_the_local_value():
+    from hpcnft.run.resume import agree
+
+    assert agree(None, (3, "x")) == (3, "x")
+
+
+def test_a_failure_is_one_line_naming_the_rank():
+    from hpcnft.run.output import fail_line
+
+    topo = types.SimpleNamespace(rank=2, role="reward")
+    assert fail_line(topo, ValueError("first\nsecond")) == "rank 2 (reward): ValueError: first"
+    assert fail_line(topo, KeyError()) == "rank 2 (reward): KeyError: "
+
+
+def test_the_default_run_dir_is_named_after_the_recipe():
+    from hpcnft.run.rundir import default_run_dir
+
+    path = default_run_dir(os.path.join("some", "where", "my_recipe.toml"))
+    assert os.path.dirname(path) == "runs" and os.path.basename(path).startswith("my_recipe-")
+
+
+def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
+    from hpcnft.run import job as runner
+
+    order = []
+    writer = types.SimpleNamespace(close=lambda: order.append("close"))
+
+    def fake_requeue(job, log):
+        order.append(f"requeue {job}")
+        return f"requeued Slurm job {job}" if job == "7" else f"scontrol requeue {job} failed: Invalid job id"
+    monkeypatch.setattr(runner, "requeue", fake_requeue)
+    runner.close_then_requeue(writer, "7")
+    assert order == ["close", "requeue 7"]  # Slurm kills the job's processes right after a requeue
+    assert "hpcnft: requeued Slurm job 7" in capsys.readouterr().out
+    order.clear()
+    runner.close_then_requeue(writer, "")  # not under Slurm, or SIGTERM: close only
+    assert order == ["close"]
+    runner.close_then_requeue(None, "8")
+    assert capsys.readouterr().err.strip() == "hpcnft: scontrol requeue 8 failed: Invalid job id"

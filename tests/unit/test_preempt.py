@@ -1,0 +1,104 @@
+"""hpcnft.dist.preempt and the rank's way out: the requeue passes the job id as one argument, a late
+signal after the flag is retired passes through shutdown, rank_main retires its flag on every way
+out, Slurm's own SIGTERM leaves the requeue to Slurm, and a failed log line keeps the signal."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from hpcnft.common.config import load_config
+
+
+
+def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
+    from hpcnft.dist.preempt import requeue
+
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    job = "123; touch MARKER $(touch M2)"
+    assert requeue(job, types.SimpleNamespace(info=lambda *a: None)) == f"requeued Slurm job {job}"
+    assert json.loads((tmp_path / "argv.json").read_text()) == ["requeue", job]
+    assert not (tmp_path / "MARKER").exists() and not (tmp_path / "M2").exists()
+
+
+_LATE_SIGNAL = r"""
+import logging, signal, sys
+from hpcnft.dist.preempt import PreemptFlag
+flag = PreemptFlag("SIGUSR2", True, logging.getLogger("t"))
+if sys.argv[1] == "retired":
+    flag.retire()
+# What CPython does when it shuts down: a signal with a Python handler goes back to its default.
+for s in (signal.SIGUSR2, signal.SIGTERM):
+    if callable(signal.getsignal(s)):
+        signal.signal(s, signal.SIG_DFL)
+signal.raise_signal(signal.SIGUSR2)
+signal.raise_signal(signal.SIGTERM)
+print("finished")
+"""
+
+
+def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", _LATE_SIGNAL, "retired"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "finished", done.stderr
+    killed = subprocess.run([sys.executable, "-c", _LATE_SIGNAL, "active"], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGUSR2  # what a rank without retire() meets
+
+
+def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
+    import signal
+
+    from hpcnft.dist.launch import detect
+    from hpcnft.common.errors import EXIT_BAD_INPUT
+    from hpcnft.run.entry import rank_main
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
+    try:
+        cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
+        assert rank_main(cfg, detect({}), "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
+    from hpcnft.dist.preempt import leave_requeue_to_slurm
+
+    assert leave_requeue_to_slurm("SIGUSR2", "SIGUSR2") is None  # the time-limit warning: requeue
+    assert leave_requeue_to_slurm("", "SIGUSR2") is None  # the reward rank's signal: requeue
+    assert leave_requeue_to_slurm("SIGTERM", "SIGTERM") is None  # SIGTERM as the configured warning
+    why = leave_requeue_to_slurm("SIGTERM", "SIGUSR2")  # scancel, scontrol requeue, time limit
+    assert why.startswith("SIGTERM: Slurm is ending the job") and "not requeued" in why
+
+
+def test_a_preempt_signal_is_kept_when_its_log_line_fails():
+    import logging
+    import signal
+
+    from hpcnft.dist.preempt import PreemptFlag
+
+    class Broken(logging.Handler):
+        def handle(self, record):  # a write that fails outright (not through handleError)
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter>")
+
+    log = logging.getLogger("hpcnft-test-broken-log")
+    log.handlers[:], log.propagate = [Broken()], False
+    previous = signal.getsignal(signal.SIGUSR2)
+    flag = PreemptFlag("SIGUSR2", False, log)
+    try:
+        with pytest.raises(RuntimeError, match="reentrant"):
+            signal.raise_signal(signal.SIGUSR2)
+        assert flag.requested and flag.signal_name == "SIGUSR2"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)

@@ -1,0 +1,37 @@
+"""hpcnft.run.rundir: a run dir on a read-only file system is refused naming the path, and nothing
+in it (run file, checkpoints) is changed."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hardening_tools import make_checkpoint, remount_read_only, small_tmpfs, writer_made_run
+from hpcnft.io import checkpoint
+from hpcnft.io import runfile
+from hpcnft.io.run_writer import RunFileWriter
+from hpcnft.common.errors import UsageError
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
+
+
+def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
+    from hpcnft.run.rundir import check_run_dir
+
+    mnt = str(tmp_path / "mnt")
+    with small_tmpfs(mnt, "4m"):
+        run_dir = os.path.join(mnt, "run")
+        good = make_checkpoint(run_dir, 1)
+        h5 = os.path.join(run_dir, "run.h5")
+        writer_made_run(h5, steps=2)
+        remount_read_only(mnt)
+        with pytest.raises(UsageError, match="is not writable"):
+            check_run_dir(run_dir)
+        with pytest.raises(runfile.RunFileError) as e:
+            RunFileWriter(h5, "{}", "x")
+        assert str(e.value).startswith(h5) and len(str(e.value).splitlines()) == 1
+        with pytest.raises(checkpoint.CheckpointError, match="Read-only file system") as e:
+            make_checkpoint(run_dir, 2)
+        assert str(e.value).startswith(checkpoint.partial_dir(run_dir, 2))
+        assert checkpoint.problems(good) is None
+        assert len(runfile.read_run(h5).metrics["train/nft_loss"]) == 2
