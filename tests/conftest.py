@@ -1,7 +1,7 @@
 """Shared fixtures for the whole test tree.
 
 `tiny_models`: the tiny SD3.5 and PickScore folders (tiny_models.md), built once per session
-into a temporary folder with hpcnft.tiny.ensure_tiny_models (about 8 s on 2 cores, most of it
+into a temporary folder with hpcnft.models.tiny.ensure_tiny_models (about 8 s on 2 cores, most of it
 the first import of diffusers/transformers; later builds in the same process take ~1 s).
 
 `hpcnft_cache`: one HPCNFT_CACHE for the session (tests/integration uses it for every test).

@@ -81,7 +81,7 @@ class Policy:
     @contextlib.contextmanager
     def old_weights(self, fp8_gemms: str | None = None):
         """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
-        of the lever that asks for it) the blocks' GEMMs multiply in fp8 (hpcnft.fp8)."""
+        of the lever that asks for it) the blocks' GEMMs multiply in fp8 (perf.fp8)."""
         with torch.no_grad():
             live = [local_shard(p).detach().clone() for p in self.trainable]
             for p, s in zip(self.trainable, self.shadow):

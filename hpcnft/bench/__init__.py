@@ -9,9 +9,9 @@ once), and its achieved TFLOP/s set against a dense fp16 matmul measured in the 
 Stacks, each measured in turn in this process:
   eager          the plain diffusers + peft stack (fp16 DiT, LoRA r32, autocast, default SDPA)
                  written out here without any package code (with --baseline);
-  hpcnft default the package's own path (Policy under FSDP2, Trainer.step, TrainRank.iteration,
+  hpcnft default the package's own path (Policy under FSDP2, Trainer.step, Learner.iteration,
                  euler_sample, decode_to_uint8, PickScoreScorer) with every perf lever off;
-  hpcnft fast    the same path with the levers of hpcnft.fast.FAST (change with --set).
+  hpcnft fast    the same path with the levers of hpcnft.perf.levers.FAST (change with --set).
 `--levers` measures single levers against "hpcnft default", one at a time.
 
 Phases: rollout DiT forward (batch 8/16), VAE decode, PickScore of one iteration's images, the

@@ -34,7 +34,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="single levers measured one at a time against hpcnft default, e.g. "
                         "attention_backend=cudnn perf.compile_blocks=true, or 'all' for the standard sweep")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="change the 'hpcnft fast' combination (default: hpcnft.fast.FAST), repeatable")
+                   help="change the 'hpcnft fast' combination (default: hpcnft.perf.levers.FAST), repeatable")
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also measure 'hpcnft fast' with these changes on top (a KEY without a dot is perf.*), "
                         "after it in the same process, at its phases and batch sizes; repeatable")
@@ -84,7 +84,7 @@ def main(name: str, args: argparse.Namespace) -> int:
             os.makedirs(args.profile, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--profile {args.profile!r}: {e.strerror or e}") from None
-    from hpcnft.models.loading import quiet_libraries
+    from hpcnft.models.folders import quiet_libraries
 
     quiet_libraries()
     bench = Bench(args, S, dev)

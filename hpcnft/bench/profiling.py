@@ -1,5 +1,5 @@
 """--profile: torch.profiler over one call of a phase; its op table, a summary by kernel kind and the
-totals of the package's named ranges (hpcnft.perf.span)."""
+totals of the package's named ranges (hpcnft.perf.mfu.span)."""
 from __future__ import annotations
 
 import bisect
@@ -18,7 +18,7 @@ GEMM = ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet")
 TOP_OPS = 15
 # What the profiler lists among device events but are not kernels: "Command Buffer Full" marks
 # the time a launch waited for room in a full launch queue (the CPU is ahead: GPU-bound); named
-# ranges (record_function, hpcnft.perf.span) are also drawn on the GPU timeline, as user annotations.
+# ranges (record_function, hpcnft.perf.mfu.span) are also drawn on the GPU timeline, as user annotations.
 NOT_KERNELS = ("Command Buffer Full",)
 # The CUDA runtime and driver calls among the host events: in an idle gap they are the launch that
 # ends it, not what kept the host busy.
@@ -137,7 +137,7 @@ def _device_us(a) -> float:
 
 
 def spans(averages, prefix: str = "hpcnft/") -> dict:
-    """Totals of each named range `hpcnft/...` (hpcnft.perf.span) in a profile's key_averages():
+    """Totals of each named range `hpcnft/...` (hpcnft.perf.mfu.span) in a profile's key_averages():
     calls, host seconds, and device seconds. On a GPU the profiler lists a range twice: on the
     host (whose device total also counts the launch queue's waits) and as drawn on the GPU's
     timeline (no host time), which gives device_s when present."""

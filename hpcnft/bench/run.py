@@ -191,7 +191,7 @@ class Bench:
             self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), self.iteration_for("eager"),
                            {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
             self.free(eager)
-        fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.fast.FAST", S, dev, fast_over)
+        fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.perf.levers.FAST", S, dev, fast_over)
         # the largest baseline shapes too, so fast and eager meet at one shape (and mb16's memory is read)
         fb = {fast_b} if args.own_shapes else {fast_b, max(S.rollout_batches)}
         fm = {fast_mb} if args.own_shapes else {fast_mb, max(S.micro_batches)}

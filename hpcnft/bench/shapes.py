@@ -117,7 +117,7 @@ def clip_processor():
     if not _PROCESSOR:
         from transformers import AutoProcessor
 
-        from hpcnft.models.loading import quiet_libraries
+        from hpcnft.models.folders import quiet_libraries
         from hpcnft.models.tiny import ensure_tiny_models
         from hpcnft.models.tiny_cache import cache_dir
 
@@ -154,9 +154,9 @@ def smooth_images(S: Shapes, n: int):
     return up.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-# -- what TrainRank needs around the models ------------------------------------------------------
+# -- what the Learner needs around the models ------------------------------------------------------
 class _Pipe:
-    """What TrainRank uses of a StableDiffusion3Pipeline: the scheduler, the VAE, the DiT's config
+    """What the Learner uses of a StableDiffusion3Pipeline: the scheduler, the VAE, the DiT's config
     and encode_prompt (here: a fixed random embedding per prompt at the real text shapes)."""
 
     def __init__(self, transformer, vae, S: Shapes, dtype, device):
@@ -178,7 +178,7 @@ _MESH = []
 
 
 def world1_mesh(dev):
-    """A one-rank process group and train mesh, as hpcnft.distributed.setup makes for world 1."""
+    """A one-rank process group and train mesh, as hpcnft.dist.groups.setup makes for world 1."""
     if not _MESH:
         torch = _torch()
         import torch.distributed as dist

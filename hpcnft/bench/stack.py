@@ -99,7 +99,7 @@ class HpcnftStack:
         if self._vae is None:
             from hpcnft.perf import levers
 
-            self._vae = levers.prepare_vae(build_vae(self.S, self.dev), self.cfg)  # loaded in fp32, as the runner does
+            self._vae = levers.prepare_vae(build_vae(self.S, self.dev), self.cfg)  # loaded in fp32, as the job does
         return self._vae
 
     @property

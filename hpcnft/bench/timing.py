@@ -1,4 +1,4 @@
-"""Timing, FLOP counting and the matmul ceiling of the bench (timing and ceiling: hpcnft.perf)."""
+"""Timing, FLOP counting and the matmul ceiling of the bench (timing and ceiling: hpcnft.perf.mfu)."""
 from __future__ import annotations
 
 import contextlib

@@ -150,7 +150,7 @@ class LoggingConfig:
 @dataclass
 class PerfConfig:
     """Speed levers (hpcnft bench measures each; all off by default). None changes the NFT math;
-    some change rounding, and deterministic mode turns some off: see hpcnft/fast.py."""
+    some change rounding, and deterministic mode turns some off: see hpcnft/perf/levers.py."""
     attention_backend: str = "default"  # "default", "flash", "cudnn", "efficient", "math"
     compile_blocks: bool = False  # regional torch.compile of each DiT block
     vae_channels_last: bool = False

@@ -20,7 +20,7 @@ def _raise_recompile_limits(limit: int = 64) -> None:
 
 class _CompiledCall:
     """A block's compiled call that steps aside under a TorchDispatchMode (FlopCounterMode, as
-    hpcnft.perf and hpcnft bench use): dynamo refuses such frames and then marks the code object
+    hpcnft.algo.flops and hpcnft bench use): dynamo refuses such frames and then marks the code object
     as skipped for good, which would leave every later call of the blocks uncompiled."""
 
     def __init__(self, eager, compiled):

@@ -13,7 +13,7 @@ precision, so the gradients and the eval rewards are those of the half-precision
 
 Each feed-forward (linear, tanh GELU, linear) runs as fp8 GEMM, `gelu_quantize_rows` (bias,
 GELU and the per-row quantization of the hidden activation in one op; on CUDA one Triton pass
-per row, `hpcnft.fp8_kernels`), fp8 GEMM: the [tokens, 4d] hidden activation goes from the first
+per row, `perf.fp8_kernels`), fp8 GEMM: the [tokens, 4d] hidden activation goes from the first
 GEMM's bf16 output straight to the second GEMM's e4m3 input.
 
 Rounding: e4m3 keeps 3 mantissa bits, so each input carries up to 2^-4 relative error; summed

@@ -11,7 +11,7 @@ from hpcnft.common.errors import UsageError
 
 def preflight(cfg) -> None:
     """Bad input found before any rank starts: raise UsageError with one line."""
-    from hpcnft.models.loading import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder)
+    from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
 
     try:

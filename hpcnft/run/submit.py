@@ -1,4 +1,4 @@
-"""The job through submitit (slurm, local or debug), for `hpcnft submit` and `hpcnft.submit(...)`.
+"""The job through submitit (slurm, local or debug), for `hpcnft submit` and `submit(...)` from Python.
 
 Each submitit task is one rank: submitit's TorchDistributedEnvironment exports RANK,
 WORLD_SIZE and the master, and the rank runs exactly what `hpcnft run` runs under torchrun.

@@ -1,5 +1,5 @@
 """On a CUDA device: the real-shape iteration through the package's own code (small counts),
-with every perf lever off and with hpcnft.fast.FAST; and the tiny recipe in fp16 with the
+with every perf lever off and with hpcnft.perf.levers.FAST; and the tiny recipe in fp16 with the
 grad scaler (step 1 overflows: NaN grad_norm, skipped step), bitwise reproducible in
 deterministic mode, with the levers off and with the deterministic ones on."""
 from __future__ import annotations

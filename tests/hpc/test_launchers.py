@@ -557,10 +557,10 @@ def listpids(job_id: str) -> list[dict]:
 def test_submitit_killed_rank_fails_without_hang(slurm_cluster, tmp_path, jobs):
     import submitit
 
-    import hpcnft
+    from hpcnft.run.submit import submit
 
     run_dir = tmp_path / "run"
-    job = hpcnft.submit("tiny", cluster="slurm", overrides=SHORT_SET, steps=40, run_dir=str(run_dir),
+    job = submit("tiny", cluster="slurm", overrides=SHORT_SET, steps=40, run_dir=str(run_dir),
                         folder=str(tmp_path / "submitit"))
     jobs.append(job.job_id)
     wait_for_submitit_step(job, 1, run_dir)
@@ -591,10 +591,10 @@ STALE = {}
 
 
 def test_submitit_interrupt_requeues_and_resumes_identical(slurm_cluster, ref_short, tmp_path, jobs):
-    import hpcnft
+    from hpcnft.run.submit import submit
 
     run_dir = tmp_path / "run"
-    job = hpcnft.submit("tiny", cluster="slurm", overrides=SHORT_SET, steps=SHORT_STEPS, run_dir=str(run_dir),
+    job = submit("tiny", cluster="slurm", overrides=SHORT_SET, steps=SHORT_STEPS, run_dir=str(run_dir),
                         folder=str(tmp_path / "submitit"))
     jobs.append(job.job_id)
     at = wait_for_submitit_step(job, 2, run_dir)

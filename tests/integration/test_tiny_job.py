@@ -75,7 +75,7 @@ def test_torchrun_gives_the_same_metrics(three_steps, tmp_path):
 TRAIN_RTOL = 1e-5
 
 
-# The CPU-capable speed levers of world 1 (hpcnft/fast.py). At step 1 LoRA's B is zero, so the
+# The CPU-capable speed levers of world 1 (hpcnft/perf/levers.py). At step 1 LoRA's B is zero, so the
 # merged weights are the base weights exactly; the fused q/k/v GEMM may round differently.
 WORLD1_LEVERS = ("perf.skip_single_rank_fsdp=true", "perf.merge_lora_nograd=true", "perf.fuse_qkv=true",
                  "perf.old_pass_batch=4", "perf.overlap_reward=true")

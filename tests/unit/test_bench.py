@@ -1,4 +1,4 @@
-"""hpcnft bench's pure parts and the one matmul ceiling of hpcnft.perf (CPU, small sizes)."""
+"""hpcnft bench's pure parts and the one matmul ceiling of hpcnft.perf.mfu (CPU, small sizes)."""
 import pytest
 import torch
 

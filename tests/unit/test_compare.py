@@ -1,4 +1,4 @@
-"""Comparison semantics of hpcnft.compare (architecture.md §7)."""
+"""Comparison semantics of hpcnft.io.compare (architecture.md §7)."""
 import json
 import math
 

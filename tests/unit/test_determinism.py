@@ -1,4 +1,4 @@
-"""hpcnft.determinism and the per-sample noise of hpcnft.sampler (architecture.md §5)."""
+"""hpcnft.common.determinism and the per-sample noise of hpcnft.algo.sampler (architecture.md §5)."""
 from __future__ import annotations
 
 import hashlib

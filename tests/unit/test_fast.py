@@ -1,4 +1,4 @@
-"""The perf levers of hpcnft.fast on the CPU with the tiny shapes: what each promises about the
+"""The perf levers of hpcnft.perf on the CPU with the tiny shapes: what each promises about the
 numerics (bit for bit, or close), and the guards (deterministic mode, dispatch modes)."""
 import dataclasses
 

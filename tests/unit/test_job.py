@@ -67,7 +67,7 @@ def test_the_default_run_dir_is_named_after_the_recipe():
 
 
 def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
-    from hpcnft.run import job as runner
+    from hpcnft.run import job
 
     order = []
     writer = types.SimpleNamespace(close=lambda: order.append("close"))
@@ -75,12 +75,12 @@ def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
     def fake_requeue(job, log):
         order.append(f"requeue {job}")
         return f"requeued Slurm job {job}" if job == "7" else f"scontrol requeue {job} failed: Invalid job id"
-    monkeypatch.setattr(runner, "requeue", fake_requeue)
-    runner.close_then_requeue(writer, "7")
+    monkeypatch.setattr(job, "requeue", fake_requeue)
+    job.close_then_requeue(writer, "7")
     assert order == ["close", "requeue 7"]  # Slurm kills the job's processes right after a requeue
     assert "hpcnft: requeued Slurm job 7" in capsys.readouterr().out
     order.clear()
-    runner.close_then_requeue(writer, "")  # not under Slurm, or SIGTERM: close only
+    job.close_then_requeue(writer, "")  # not under Slurm, or SIGTERM: close only
     assert order == ["close"]
-    runner.close_then_requeue(None, "8")
+    job.close_then_requeue(None, "8")
     assert capsys.readouterr().err.strip() == "hpcnft: scontrol requeue 8 failed: Invalid job id"

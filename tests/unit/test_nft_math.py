@@ -1,4 +1,4 @@
-"""NFT math of hpcnft.nft against hand-computed cases and nft_spec.md §1.2-1.11.
+"""NFT math of hpcnft.algo.nft against hand-computed cases and nft_spec.md §1.2-1.11.
 
 Every expected value below is derived by hand (or from the spec's formulas and tables), never
 copied from a run of the code under test.
@@ -19,7 +19,7 @@ C = 5.0  # adv_clip_max of the recipe
 
 def blake63(*parts) -> int:
     """The spec's stable hash (§1.4), written out independently: blake2b-64 of the ':'-joined
-    parts, masked to 63 bits (little-endian, as hpcnft.determinism documents)."""
+    parts, masked to 63 bits (little-endian, as hpcnft.common.determinism documents)."""
     d = hashlib.blake2b(":".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(d, "little") & ((1 << 63) - 1)
 

@@ -1,5 +1,5 @@
-"""Prompt files and streams (hpcnft.prompts), model folders (hpcnft.models), tiny models
-(hpcnft.tiny) and the PickScore formula (hpcnft.reward, nft_spec.md §4)."""
+"""Prompt files and streams (hpcnft.algo.prompts), model folders (hpcnft.models), tiny models
+(hpcnft.models.tiny) and the PickScore formula (hpcnft.algo.reward, nft_spec.md §4)."""
 from __future__ import annotations
 
 import json
