@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SD3 = ROOT / "slurm" / "sd3_pickscore.sbatch"
 TINY = ROOT / "slurm" / "tiny.sbatch"
 SCRIPTS = [SD3, TINY]
