@@ -38,7 +38,8 @@ def main(name: str, args) -> int:
 
 def start(args) -> int:
     from hpcnft.common.config import ConfigError, load_config
-    from hpcnft.dist.launch import LaunchError, detect
+    from hpcnft.dist.detect import detect
+    from hpcnft.dist.launch import LaunchError
 
     try:
         cfg = load_config(args.recipe, args.overrides, steps=args.steps, run_dir=args.run_dir)

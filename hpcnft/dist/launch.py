@@ -1,8 +1,10 @@
-"""Who am I: launcher detection from the environment (pure: reads a mapping, imports no torch).
+"""Who am I: what a rank learns from its launcher's environment (pure: no torch), the names each
+launcher's variables have, and Slurm host lists and ports.
 
-`detect(os.environ)` answers rank, world size, local rank, master address/port, Slurm job id and
+`hpcnft.dist.detect.detect(os.environ)` answers rank, world size, local rank, master address/port, Slurm job id and
 restart count for every way hpcnft is started on a cluster. The variables each launcher sets are
-a table (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small reader per launcher applies its rules.
+a table here (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small reader per launcher in
+dist.detect applies its rules.
 Detection order, first match wins (each row is a unit test):
 
 1. ``RANK``/``WORLD_SIZE``           torchrun, submitit's TorchDistributedEnvironment.export()
@@ -33,17 +35,24 @@ Slurm's srun launched task by task must have SLURM_NTASKS ranks); a mismatch rai
 """
 from __future__ import annotations
 
-import socket
+import re
+import zlib
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
-from hpcnft.dist.nodelist import DEFAULT_PORT, LaunchError, NodelistError, job_port, parse_nodelist
-
-__all__ = ["LaunchInfo", "LaunchError", "NodelistError", "detect", "parse_nodelist", "job_port",
-           "LAUNCHERS", "DEFAULT_PORT", "EnvNames", "LAUNCHER_ENV", "SLURM_ENV"]
+__all__ = ["LaunchInfo", "LaunchError", "NodelistError", "parse_nodelist", "job_port", "LAUNCHERS", "DEFAULT_PORT",
+           "EnvNames", "LAUNCHER_ENV", "SLURM_ENV"]
 
 LAUNCHERS = ("torchrun", "openmpi", "pmi", "pmix", "slurm", "none")
+DEFAULT_PORT = 29500
 LOOPBACK = "127.0.0.1"
+
+
+class LaunchError(Exception):
+    """The environment describes an impossible or inconsistent launch (one-line message)."""
+
+
+class NodelistError(LaunchError, ValueError):
+    """A Slurm host list that cannot be parsed."""
 
 
 @dataclass(frozen=True)
@@ -110,255 +119,92 @@ MPIRUN_ID = ("OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE", "PMI_JOBID")
 MASTER_ENV = ("MASTER_ADDR", "MASTER_PORT")
 
 
-# ------------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------------------- ports and hosts
 
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        if default is None:
-            raise LaunchError(f"{name} is not set")
-        return default
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise LaunchError(f"{name}={raw!r} is not an integer") from None
+def job_port(job_id: str | None, base: int = 20000, span: int = 20000) -> int:
+    """A port in [base, base+span) that every rank of one job derives alike; 29500 without a job.
 
-
-def _opt_int(env: Mapping[str, str], name: str | None) -> int | None:
-    return _int(env, name) if name and (env.get(name) or "").strip() else None
-
-
-def _first(env: Mapping[str, str], *names: str) -> str | None:
-    for n in names:
-        v = env.get(n)
-        if v is not None and v.strip():
-            return v.strip()
-    return None
-
-
-def _first_host(nodelist: str | None) -> str | None:
-    if not nodelist:
-        return None
-    hosts = parse_nodelist(nodelist)
-    return hosts[0] if hosts else None
-
-
-def _default_mpi_size() -> int:
-    from mpi4py import MPI  # lazy: initialises MPI
-
-    return MPI.COMM_WORLD.Get_size()
-
-
-def _default_mpi_bcast_master() -> tuple[str, int]:
-    from mpi4py import MPI  # lazy: initialises MPI
-
-    comm = MPI.COMM_WORLD
-    value = None
-    if comm.Get_rank() == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        value = (socket.gethostname(), port)
-    host, port = comm.bcast(value, root=0)
-    return str(host), int(port)
-
-
-_MPI_ERRORS = (ImportError, RuntimeError, OSError)
-_SLURM = {n.launcher: n for n in LAUNCHER_ENV}["slurm"]
-
-
-@dataclass(frozen=True)
-class _Env:
-    """The environment as detect() reads it: the launcher-independent facts, parsed once."""
-    env: Mapping[str, str]
-    job_id: str | None
-    restart: int
-    step: bool  # inside an srun step (the batch script itself is not a rank)
-    master_addr: str | None
-    master_port: int | None
-    procid: int | None
-    localid: int | None
-    nodeid: int | None
-
-    @classmethod
-    def read(cls, env: Mapping[str, str]) -> _Env:
-        s = SLURM_ENV
-        return cls(env, _first(env, *s["job_id"]), _int(env, s["restart_count"][0], 0),
-                   _first(env, *s["step_id"]) is not None, _first(env, MASTER_ENV[0]), _opt_int(env, MASTER_ENV[1]),
-                   _opt_int(env, _SLURM.rank), _opt_int(env, _SLURM.local_rank), _opt_int(env, _SLURM.node_rank))
-
-    def ntasks(self) -> int | None:
-        name = next((n for n in SLURM_ENV["ntasks"] if (self.env.get(n) or "").strip()), None)
-        return _int(self.env, name) if name else None
-
-    def step_local(self, default: int = 0) -> int:
-        """Slurm's local id where srun started this very process (inside a step)."""
-        return self.localid if (self.step and self.localid is not None) else default
-
-    def slurm_port(self) -> int:
-        return self.master_port if self.master_port is not None else job_port(self.job_id)
-
-    def slurm_launched_addr(self) -> str:
-        """Ranks are srun's tasks (or torchrun/submitit that did not say): first step host."""
-        if self.master_addr:
-            return self.master_addr
-        if self.job_id:
-            host = (_first_host(_first(self.env, *SLURM_ENV["step_nodelist"]) if self.step else None)
-                    or _first_host(_first(self.env, *SLURM_ENV["job_nodelist"])))
-            if host:
-                return host
-        return LOOPBACK
-
-    def mpirun_master(self, all_local: bool | None, world: int, bcast) -> tuple[str, int]:
-        """Ranks started by an mpirun (OMPI or hydra), inside Slurm or not."""
-        if self.master_port is not None:
-            port = self.master_port
-        elif self.job_id:
-            port = job_port(self.job_id)
-        else:
-            key = _first(self.env, *MPIRUN_ID)
-            port = job_port(key) if key else DEFAULT_PORT
-        if self.master_addr:
-            return self.master_addr, port
-        if world == 1 or all_local:
-            return LOOPBACK, port
-        try:
-            host, bport = (bcast or _default_mpi_bcast_master)()
-        except _MPI_ERRORS as e:
-            # no mpi4py: under Slurm the batch host (first of the job's nodes) runs mpirun and rank 0
-            host = _first_host(_first(self.env, *SLURM_ENV["job_nodelist"])) if self.job_id else None
-            if not host:
-                raise LaunchError(f"ranks span several nodes and rank 0's address is unknown "
-                                  f"(set MASTER_ADDR, or install mpi4py: {e})") from None
-            return host, port
-        return host, (self.master_port if self.master_port is not None else int(bport))
-
-    def cross_check(self, world: int, rank: int, what: str, hint: str = "") -> None:
-        """The MPI world and srun's task set are the same launch: their sizes must agree."""
-        ntasks = self.ntasks()
-        if ntasks is not None and ntasks != world:
-            raise LaunchError(f"{what} world size {world} != SLURM_NTASKS={ntasks} (rank {rank})"
-                              + (f": {hint}" if hint else ""))
-
-    def info(self, names: EnvNames, rank: int, world: int, local: int, addr: str, port: int, node: int) -> LaunchInfo:
-        _check(rank, world, local, names)
-        return LaunchInfo(names.launcher, rank, world, local, addr, port, self.job_id, self.restart, node)
-
-
-_CHECK_LABEL = {"openmpi": "OMPI_COMM_WORLD", "slurm": "SLURM_PROCID/SLURM_NTASKS"}
-
-
-def _check(rank: int, world: int, local: int, names: EnvNames) -> None:
-    what = _CHECK_LABEL.get(names.launcher) or (names.rank if names.world is None else f"{names.rank}/{names.world}")
-    if world < 1:
-        raise LaunchError(f"{what}: world size {world} < 1")
-    if not 0 <= rank < world:
-        raise LaunchError(f"{what}: rank {rank} outside world size {world}")
-    if local < 0:
-        raise LaunchError(f"{what}: local rank {local} < 0")
-
-
-# ------------------------------------------------------------------- one reader per launcher
-
-def _torchrun(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
-    env = e.env
-    if not (n.rank in env and n.world in env):
-        have, missing = (n.rank, n.world) if n.rank in env else (n.world, n.rank)
-        raise LaunchError(f"{have} is set but {missing} is not")
-    rank, world = _int(env, n.rank), _int(env, n.world)
-    local = _opt_int(env, n.local_rank)
-    local = e.step_local() if local is None else local
-    node = _opt_int(env, n.node_rank)
-    node = (e.nodeid if (e.step and e.nodeid is not None) else 0) if node is None else node
-    return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), node)
-
-
-def _openmpi(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
-    env = e.env
-    rank, world = _int(env, n.rank), _int(env, n.world)
-    local = _int(env, n.local_rank, 0)
-    local_size = _opt_int(env, n.local_size)
-    _check(rank, world, local, n)
-    # Slurm variables here normally belong to the enclosing allocation (mpirun in sbatch:
-    # SLURM_PROCID=0 on every rank, SLURM_NTASKS of the allocation) or to the srun step
-    # that mpirun used to start its orted daemons. They describe the same launch only if
-    # srun started these very ranks: inside a step, no mpirun HNP, Slurm task id == rank.
-    if e.step and MPIRUN_ID[0] not in env and e.procid in (None, rank):
-        e.cross_check(world, rank, n.world)
-    all_local = None if local_size is None else local_size == world
-    addr, port = e.mpirun_master(all_local, world, bcast)
-    return e.info(n, rank, world, local, addr, port, 0)
-
-
-def _pmi(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
-    env = e.env
-    rank, world = _int(env, n.rank), _int(env, n.world)
-    hydra = n.local_rank in env  # set by MPICH's hydra, not by Slurm's pmi2
-    local = _int(env, n.local_rank) if hydra else e.step_local()
-    _check(rank, world, local, n)
-    if e.step and not hydra and e.procid in (None, rank):
-        e.cross_check(world, rank, n.world)
-        return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
-    local_size = _opt_int(env, n.local_size)
-    all_local = None if local_size is None else local_size == world
-    addr, port = e.mpirun_master(all_local, world, bcast)
-    return e.info(n, rank, world, local, addr, port, 0)
-
-
-def _pmix(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
-    rank = _int(e.env, n.rank)
-    ntasks = e.ntasks() if e.step else None
-    try:
-        world = int((mpi_size or _default_mpi_size)())
-    except _MPI_ERRORS as err:
-        if ntasks is None:
-            raise LaunchError(f"{n.rank}={rank} is set but the world size is unknown "
-                              f"(no Slurm step, MPI unavailable: {err})") from None
-        world = ntasks
-    local = e.step_local()
-    if e.step:
-        e.cross_check(world, rank, "MPI", "the MPI library did not join srun's PMIx job "
-                      "(MPICH? use srun --mpi=pmi2; Open MPI: srun --mpi=pmix)")
-        if e.procid is not None and e.procid != rank:
-            raise LaunchError(f"{n.rank}={rank} != {_SLURM.rank}={e.procid}")
-    _check(rank, world, local, n)
-    if e.step:
-        return e.info(n, rank, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
-    addr, port = e.mpirun_master(None, world, bcast)
-    return e.info(n, rank, world, local, addr, port, 0)
-
-
-def _slurm(e: _Env, n: EnvNames, mpi_size, bcast) -> LaunchInfo:
-    world = e.ntasks()
-    if world is None:
-        raise LaunchError(f"{n.rank}={e.procid} is set but SLURM_NTASKS is not")
-    local = e.localid if e.localid is not None else 0
-    return e.info(n, e.procid, world, local, e.slurm_launched_addr(), e.slurm_port(), e.nodeid or 0)
-
-
-_READERS = {"torchrun": _torchrun, "openmpi": _openmpi, "pmi": _pmi, "pmix": _pmix, "slurm": _slurm}
-
-
-def _launched_by(e: _Env, n: EnvNames) -> bool:
-    if n.launcher == "torchrun":  # either variable: the other one missing is an error
-        return n.rank in e.env or n.world in e.env
-    if n.launcher == "slurm":  # plain srun: only inside a step
-        return e.step and e.procid is not None
-    return n.rank in e.env
-
-
-def detect(env: Mapping[str, str], *, mpi_size: Callable[[], int] | None = None,
-           mpi_bcast_master: Callable[[], tuple[str, int]] | None = None) -> LaunchInfo:
-    """Describe this process's place in the job from its environment (see the module doc).
-
-    ``mpi_size`` (default: lazily ``mpi4py.MPI.COMM_WORLD.Get_size()``) is only called for
-    ``PMIX_RANK`` launches; ``mpi_bcast_master`` (default: rank 0's hostname and a free port,
-    broadcast with mpi4py) only for an mpirun spanning several nodes with no ``MASTER_ADDR``.
-    Both are collective under MPI: every rank of the job must call detect().
+    Numeric job ids map to ``base + id % span`` so jobs that run at the same time (nearby ids)
+    get distinct ports; other ids (``123_4``, a PMIx namespace, an HNP URI) are CRC32-hashed.
     """
-    e = _Env.read(env)
-    for names in LAUNCHER_ENV:
-        if _launched_by(e, names):
-            return _READERS[names.launcher](e, names, mpi_size, mpi_bcast_master)
-    # no launcher: one process (which spawns local ranks, so the master is this host)
-    return LaunchInfo("none", 0, 1, 0, e.master_addr or LOOPBACK, e.slurm_port(), e.job_id, e.restart, 0)
+    if span < 1 or base < 1 or base + span > 65536:
+        raise ValueError(f"job_port: bad range base={base} span={span}")
+    if job_id is None or str(job_id).strip() == "":
+        return DEFAULT_PORT
+    s = str(job_id).strip()
+    n = int(s) if s.isdigit() else zlib.crc32(s.encode())
+    return base + n % span
+
+
+_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _expand_ranges(body: str, text: str) -> list[str]:
+    out: list[str] = []
+    for part in body.split(","):
+        part = part.strip()
+        m = _RANGE_RE.match(part)
+        if not m:
+            raise NodelistError(f"bad range {part!r} in host list {text!r}")
+        lo_s, hi_s = m.group(1), m.group(2)
+        lo = int(lo_s)
+        hi = int(hi_s) if hi_s is not None else lo
+        if hi < lo:
+            raise NodelistError(f"descending range {part!r} in host list {text!r}")
+        if hi - lo > 100000:
+            raise NodelistError(f"range {part!r} in host list {text!r} is too large")
+        width = len(lo_s)
+        out.extend(str(i).zfill(width) for i in range(lo, hi + 1))
+    return out
+
+
+def _expand_host(item: str, text: str) -> list[str]:
+    """Expand one host expression, which may hold several bracket groups (rack[1-2]-n[01-02])."""
+    open_i = item.find("[")
+    if open_i < 0:
+        if "]" in item:
+            raise NodelistError(f"unbalanced ']' in host list {text!r}")
+        return [item]
+    close_i = item.find("]", open_i)
+    if close_i < 0 or "[" in item[open_i + 1:close_i]:
+        raise NodelistError(f"unbalanced '[' in host list {text!r}")
+    prefix, body, rest = item[:open_i], item[open_i + 1:close_i], item[close_i + 1:]
+    if "]" in prefix:
+        raise NodelistError(f"unbalanced ']' in host list {text!r}")
+    tails = _expand_host(rest, text) if rest else [""]
+    return [f"{prefix}{n}{t}" for n in _expand_ranges(body, text) for t in tails]
+
+
+def parse_nodelist(s: str) -> list[str]:
+    """Expand a Slurm host list: ``"gpu[001-004,010],cpu7"`` -> gpu001..gpu004, gpu010, cpu7.
+
+    Commas inside brackets belong to the range; zero padding follows the range's first number;
+    text after a bracket (``a[1-2]-ib``) and several bracket groups per host are supported.
+    Raises NodelistError (a LaunchError and ValueError) on malformed input.
+    """
+    text = s
+    s = (s or "").strip()
+    if not s or s == "(null)":
+        return []
+    items: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(s):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise NodelistError(f"unbalanced ']' in host list {text!r}")
+        elif ch == "," and depth == 0:
+            items.append(s[start:i])
+            start = i + 1
+    if depth != 0:
+        raise NodelistError(f"unbalanced '[' in host list {text!r}")
+    items.append(s[start:])
+    hosts: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            raise NodelistError(f"empty host name in host list {text!r}")
+        hosts.extend(_expand_host(item, text))
+    return hosts

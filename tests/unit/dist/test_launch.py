@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from hpcnft.dist.detect import detect
 from hpcnft.dist.launch import (
-    LAUNCHER_ENV,
     DEFAULT_PORT,
+    LAUNCHER_ENV,
     LaunchError,
     LaunchInfo,
     NodelistError,
-    detect,
     job_port,
     parse_nodelist,
 )
