@@ -385,11 +385,11 @@ def judge(what: str, rc, out: str, err: str, tb, allowed=(0, 2)) -> str | None:
 
 def resume_path(case_dir: str, config: dict) -> list[str]:
     """The resume path's view of a run dir holding the damaged run.h5."""
+    from hpcnft.common.config import config_from_dict
+    from hpcnft.common.errors import UsageError
     from hpcnft.io import runfile
     from hpcnft.io.run_writer import RunFileWriter
-    from hpcnft.common.errors import UsageError
     from hpcnft.run.rundir import check_existing_run
-    from hpcnft.common.config import config_from_dict
 
     problems = []
     cfg = config_from_dict(config)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcnft.perf import compiling, levers
-from hpcnft.models.tiny import TINY_TRANSFORMER
 from hpcnft.algo.policy import add_lora
+from hpcnft.models.tiny import TINY_TRANSFORMER
+from hpcnft.perf import compiling, levers
 
 
 def tiny_lora_dit(cfg, base_dtype: torch.dtype = torch.float32, b_scale: float = 0.05):

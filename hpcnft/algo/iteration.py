@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.algo import nft
-from hpcnft.common.config import Config
-from hpcnft.dist.groups import Topology
 from hpcnft.algo.flops import count_dit_flops
-from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 from hpcnft.algo.prompts import read_prompt_file, train_stream
-from hpcnft.dist.reward_service import EVAL, ROLLOUT
 from hpcnft.algo.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample,
                             initial_noise, sigma_grid)
+from hpcnft.common.config import Config
+from hpcnft.dist.groups import Topology
+from hpcnft.dist.reward_service import EVAL, ROLLOUT
+from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 
 # -- which samples a rank owns ---------------------------------------------------------
 def owned_range(n: int, topo: Topology) -> range:

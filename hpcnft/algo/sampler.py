@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcnft.common.determinism import stable_hash
 from hpcnft.algo.nft import dit_timestep
+from hpcnft.common.determinism import stable_hash
 
 
 def sigma_grid(scheduler, num_steps: int) -> torch.Tensor:

@@ -39,10 +39,10 @@ def load_transformer(ckpt_path: str, policy: str):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hpcnft.io.checkpoint import SafeReader, read_json
-    from hpcnft.common.config import config_from_dict
-    from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
     from hpcnft.algo.policy import add_lora
+    from hpcnft.common.config import config_from_dict
+    from hpcnft.io.checkpoint import SafeReader, read_json
+    from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
 
     cfg = config_from_dict(read_json(ckpt_path, "config.json"))
     pipe = load_sd3_pipeline(resolve_model_paths(cfg).sd3, torch.float32, torch.device("cpu"))

@@ -19,13 +19,13 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from hpcnft import __version__
-from hpcnft.io import runfile, tbevents
+from hpcnft.cli.plots import DEFAULT_PLOT_KEYS, plot_curves, plot_samples
 from hpcnft.common.errors import UsageError
+from hpcnft.common.errors import first_line
+from hpcnft.io import runfile, tbevents
 from hpcnft.io.compare import (CompareError, Comparison, compare_metrics, dumps_standard, format_step,
                             format_value, metrics_from_standard, standard_document)
 from hpcnft.io.live_run import RunFollower
-from hpcnft.cli.plots import DEFAULT_PLOT_KEYS, plot_curves, plot_samples
-from hpcnft.common.errors import first_line
 
 WATCH_TIMED_OUT = 124  # the exit code of coreutils `timeout`
 

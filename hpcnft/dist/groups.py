@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError
-from hpcnft.dist.launch import LaunchInfo
 from hpcnft.common.errors import first_line
+from hpcnft.dist.launch import LaunchInfo
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:

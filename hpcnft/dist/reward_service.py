@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft.common.validation import MAX_CHUNK_BYTES
 from hpcnft.common.errors import first_line
+from hpcnft.common.validation import MAX_CHUNK_BYTES
 
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1

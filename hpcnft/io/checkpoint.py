@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from hpcnft.common import determinism
-from hpcnft.common.safe_pickle import AllowListUnpickler
 from hpcnft.common.errors import first_line, one_line
+from hpcnft.common.safe_pickle import AllowListUnpickler
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")

@@ -28,8 +28,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from hpcnft.perf import fused_qkv
 from hpcnft.common.tensors import full_tensor, linear_dtype, mixed_in, module_list
+from hpcnft.perf import fused_qkv
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hpcnft import __version__
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.policy import Policy
+from hpcnft.algo.reward import make_score_fn
 from hpcnft.algo.trainer import Trainer
 from hpcnft.common import determinism
 from hpcnft.common.config import Config
@@ -24,7 +25,6 @@ from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
 from hpcnft.run.resume import agree, check_resumable
 from hpcnft.run.reward_rank import load_scorer
-from hpcnft.algo.reward import make_score_fn
 
 
 def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:

@@ -11,8 +11,8 @@ from hpcnft.common.errors import UsageError
 
 def preflight(cfg) -> None:
     """Bad input found before any rank starts: raise UsageError with one line."""
-    from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
+    from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder
 
     try:
         read_prompt_file(cfg.data.train_prompts, "data.train_prompts")

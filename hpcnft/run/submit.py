@@ -79,8 +79,8 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
            account: str | None = None, mem_gb: float | None = None, folder: str | None = None):
     """Submit the job; returns the submitit Job. The run dir is fixed here, so every requeue
     of the job writes to (and resumes from) the same one."""
-    from hpcnft.run.rundir import default_run_dir, preflight
     from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.run.rundir import default_run_dir, preflight
 
     overrides = list(overrides or [])
     run_dir = os.path.abspath(run_dir or default_run_dir(recipe))

@@ -8,10 +8,10 @@ import types
 import pytest
 import torch
 
-from hpcnft.perf import compiling, fused_qkv, levers
-from hpcnft.common.config import load_config
 from hpcnft.algo.sampler import velocity
+from hpcnft.common.config import load_config
 from hpcnft.models.tiny import TINY_TRANSFORMER
+from hpcnft.perf import compiling, fused_qkv, levers
 from lora_tools import tiny_lora_dit
 
 DEV = torch.device("cuda")

@@ -26,9 +26,9 @@ def small_real_shapes():
 
 @pytest.mark.parametrize("levers", ["off", "fast"])
 def test_real_shape_iteration_runs(levers):
-    from hpcnft.perf import levers
     from hpcnft.bench.shapes import _MESH
     from hpcnft.bench.stack import HpcnftStack
+    from hpcnft.perf import levers
 
     S = small_real_shapes()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -9,9 +9,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from hpcnft.algo.sampler import Conditioning, euler_sample, velocity
 from hpcnft.bench.shapes import SHAPES
 from hpcnft.bench.stack import HpcnftStack
-from hpcnft.algo.sampler import Conditioning, euler_sample, velocity
 
 DEV = torch.device("cuda", 0)
 

@@ -155,9 +155,9 @@ def test_bad_input_is_one_line_and_exit_2(case, outcomes):
 
 def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
     # in-process: the tiny models need no model folders, so only the processor override is checked
+    from hpcnft.common.config import load_config
     from hpcnft.common.errors import UsageError
     from hpcnft.run.rundir import preflight
-    from hpcnft.common.config import load_config
 
     cfg = load_config("tiny", ["models.pickscore_processor_dir=/nonexistent"], run_dir=str(tmp_path / "run"))
     with pytest.raises(UsageError, match="models.pickscore_processor_dir"):

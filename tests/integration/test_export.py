@@ -6,13 +6,13 @@ import torch
 
 from jobs import hpcnft
 from hpcnft.algo import nft
-from hpcnft.common.config import load_config
-from hpcnft.models.loading import load_pickscore, load_sd3_pipeline, resolve_model_paths
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
 from hpcnft.algo.reward import PickScoreScorer
-from hpcnft.io.runfile import read_run
 from hpcnft.algo.sampler import (PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast,
                             sigma_grid)
+from hpcnft.common.config import load_config
+from hpcnft.io.runfile import read_run
+from hpcnft.models.loading import load_pickscore, load_sd3_pipeline, resolve_model_paths
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from jobs import assert_same_metrics, hpcnft, non_perf
-from hpcnft.io.runfile import PER_STEP_KEYS, read_run
 from hpcnft.algo.sampler import sigma_grid
+from hpcnft.io.runfile import PER_STEP_KEYS, read_run
 
 pytestmark = pytest.mark.slow
 

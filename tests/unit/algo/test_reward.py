@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from hpcnft.models.loading import load_pickscore
 from hpcnft.algo.reward import PickScoreScorer, clip_pixel_values
+from hpcnft.models.loading import load_pickscore
 
 
 def _smooth(n, h, w, seed=0):

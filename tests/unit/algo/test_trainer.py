@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcnft.common.config import load_config
 from hpcnft.algo.pairs import pair_noise, train_sigma_pairs
 from hpcnft.algo.trainer import LossScaler
+from hpcnft.common.config import load_config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +134,8 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
     forward and every gradient are the same bits."""
     from lora_tools import tiny_lora_dit
 
-    from hpcnft.perf import levers
     from hpcnft.models.tiny import TINY_TRANSFORMER
+    from hpcnft.perf import levers
 
     tr = tiny_lora_dit(load_config("tiny"), base_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(2)

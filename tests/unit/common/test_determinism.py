@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcnft.common.determinism import capture_rng_state, restore_rng_state, stable_hash
 from hpcnft.algo.sampler import initial_noise
+from hpcnft.common.determinism import capture_rng_state, restore_rng_state, stable_hash
 
 MASK63 = (1 << 63) - 1
 

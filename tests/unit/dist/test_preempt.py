@@ -57,8 +57,8 @@ def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
 def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
     import signal
 
-    from hpcnft.dist.detect import detect
     from hpcnft.common.errors import EXIT_BAD_INPUT
+    from hpcnft.dist.detect import detect
     from hpcnft.run.entry import rank_main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}

@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hardening_tools import make_checkpoint, payload_bytes, small_tmpfs, tiny_policy
-from hpcnft.io import checkpoint
 from hpcnft.common import determinism
+from hpcnft.io import checkpoint
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # DCP in one process
               pytest.mark.filterwarnings("ignore:Detected pickle protocol")]  # the planted payloads

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from hpcnft.common.tensors import module_list
-from hpcnft.perf import compiling, levers, lora_merge
 from hpcnft.bench.shapes import _MESH, tiny_shapes
 from hpcnft.bench.stack import HpcnftStack
+from hpcnft.common.tensors import module_list
+from hpcnft.perf import compiling, levers, lora_merge
 from lora_tools import RecordOps
 
 

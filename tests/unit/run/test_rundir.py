@@ -7,10 +7,10 @@ import os
 import pytest
 
 from hardening_tools import make_checkpoint, remount_read_only, small_tmpfs, writer_made_run
+from hpcnft.common.errors import UsageError
 from hpcnft.io import checkpoint
 from hpcnft.io import runfile
 from hpcnft.io.run_writer import RunFileWriter
-from hpcnft.common.errors import UsageError
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
 
