@@ -129,6 +129,10 @@ class LayoutConfig:
     backend: str = "auto"  # "auto" (nccl on GPUs, gloo on CPUs), "gloo", "nccl"
     device: str = "auto"  # "auto", "cpu" or "cuda"
     timeout_s: float = 600.0  # collectives and reward traffic
+    # Several NCCL ranks on one GPU, each claiming a host of its own (NCCL_HOSTID) so that NCCL
+    # accepts them: to try a layout's code paths on one GPU. For correctness, not speed (the
+    # ranks then talk over sockets).
+    emulate_hosts: bool = False
 
 
 @dataclass
@@ -211,7 +215,8 @@ class Config:
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
 RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
-                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue"}
+                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
+                       "layout.emulate_hosts"}
 
 CHOICES = {
     "train.finetune": ("lora", "full"),
@@ -396,6 +401,9 @@ def differing_keys(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> 
 
 def validate(cfg: Config) -> None:
     flat = flatten(cfg.to_dict())
+    if cfg.layout.emulate_hosts and (cfg.layout.backend == "gloo" or cfg.layout.device == "cpu"):
+        raise ConfigError("layout.emulate_hosts: lets NCCL ranks share a GPU; it cannot apply with "
+                          f"layout.backend={cfg.layout.backend!r}, layout.device={cfg.layout.device!r}")
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(allowed)}")

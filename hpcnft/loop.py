@@ -26,13 +26,27 @@ log = logging.getLogger("hpcnft")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
 
 
+_terminal = None  # the rank's original stderr, once native output goes to its log
+
+
 def setup_logging(run_dir: str, rank: int) -> None:
+    """Log to RUN_DIR/logs/rank{r}.log, and send what native libraries write to stderr there
+    too: NCCL's watchdog and gloo report a lost peer with pages of stack dumps, which belong in
+    the rank's log; the terminal keeps hpcnft's own one-line reports (print_err)."""
+    global _terminal
     os.makedirs(os.path.join(run_dir, "logs"), mode=0o700, exist_ok=True)
-    handler = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"))
+    path = os.path.join(run_dir, "logs", f"rank{rank}.log")
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
+    if _terminal is None:
+        sys.stderr.flush()
+        _terminal = os.fdopen(os.dup(2), "w", buffering=1)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
 
 
 # -- which samples a rank owns ---------------------------------------------------------
@@ -221,7 +235,7 @@ def fail_line(topo: Topology, e: BaseException) -> str:
 
 
 def print_err(line: str) -> None:
-    print(f"hpcnft: {line}", file=sys.stderr, flush=True)
+    print(f"hpcnft: {line}", file=_terminal or sys.stderr, flush=True)
 
 
 def log_exception(topo: Topology, e: BaseException) -> None:

@@ -14,6 +14,13 @@ rank scores chunk j while chunk j+1 is being made. Messages:
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
+
+Each train rank talks to its reward rank over a process group of just the two (a `Link`). NCCL
+runs the operations posted on one communicator in order and does not match messages by tag: on
+a group shared by several train ranks, the reward rank's pending header receive for one train
+rank would hold every later receive and reply for the others, while those wait for each other
+in FSDP's collectives (a deadlock). One group per pair keeps each train rank's traffic in its
+own queue.
 """
 from __future__ import annotations
 
@@ -39,6 +46,25 @@ class RewardServiceError(RuntimeError):
     """The other side of the reward traffic failed or sent something malformed."""
 
 
+@dataclass(frozen=True)
+class Link:
+    """One train rank's channel to its reward rank: `group` holds the two ranks and carries
+    payloads and replies. Request headers travel on it too under NCCL, where the reward rank
+    polls one pre-posted receive per link; gloo cannot poll a receive, but it can take the next
+    header from any source on the world group (`header_group` None), matched by tag."""
+    peer: int
+    group: object  # a ProcessGroup of [train rank, reward rank]
+    header_group: object | None
+
+    @staticmethod
+    def between(peer: int, group, backend: str) -> "Link":
+        return Link(peer, group, group if backend == "nccl" else None)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def _encode_msg(text: str) -> torch.Tensor:
     raw = text.encode("utf-8", errors="replace")[:MSG_BYTES]
     buf = torch.zeros(MSG_BYTES, dtype=torch.uint8)
@@ -58,7 +84,7 @@ def _wait(works, timeout_s: float, what: str) -> None:
         try:
             w.wait(timeout=datetime.timedelta(seconds=remaining))
         except RuntimeError as e:
-            first = (str(e).strip().splitlines() or [""])[0]
+            first = first_line(e)
             if "timed out" in first.lower() or "timeout" in first.lower():
                 raise RewardServiceError(f"timed out after {timeout_s:.0f} s waiting for {what}") from None
             raise RewardServiceError(f"lost the connection while waiting for {what} ({first})") from None
@@ -93,8 +119,8 @@ class Pending:
 class RemoteRewardClient:
     """Train-rank side: submit chunks without blocking, collect scores later."""
 
-    def __init__(self, reward_rank: int, comm_device: torch.device, timeout_s: float):
-        self.dst, self.dev, self.timeout_s = reward_rank, comm_device, timeout_s
+    def __init__(self, link: Link, comm_device: torch.device, timeout_s: float):
+        self.link, self.dst, self.dev, self.timeout_s = link, link.peer, comm_device, timeout_s
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
         self.peer_preempt = False
 
@@ -103,13 +129,21 @@ class RemoteRewardClient:
         header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64, device=self.dev)
         imgs = images.to(self.dev)
         idx = torch.tensor(indices, dtype=torch.int64, device=self.dev)
-        works = [dist.isend(header, self.dst, tag=HEADER_TAG), dist.isend(imgs, self.dst, tag=PAYLOAD_TAG),
-                 dist.isend(idx, self.dst, tag=PAYLOAD_TAG)]
+        works = [self._send_header(header), self._send(imgs), self._send(idx)]
         r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
         scores = torch.zeros(n, dtype=torch.float32, device=self.dev)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
-        works += [dist.irecv(t, self.dst, tag=REPLY_TAG) for t in (r_header, scores, msg)]
+        works += [self._recv_reply(t) for t in (r_header, scores, msg)]
         return Pending(works, scores, r_header, msg, (header, imgs, idx), self.dst)
+
+    def _send_header(self, header: torch.Tensor):
+        return dist.isend(header, self.dst, group=self.link.header_group, tag=HEADER_TAG)
+
+    def _send(self, payload: torch.Tensor):
+        return dist.isend(payload, self.dst, group=self.link.group, tag=PAYLOAD_TAG)
+
+    def _recv_reply(self, buf: torch.Tensor):
+        return dist.irecv(buf, self.dst, group=self.link.group, tag=REPLY_TAG)
 
     def collect(self, p: Pending) -> torch.Tensor:
         _wait(p.works, self.timeout_s, f"scores from reward rank {p.reward_rank}")
@@ -125,22 +159,20 @@ class RemoteRewardClient:
         header = torch.tensor([SNAPSHOT, step, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
         r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
-        _wait([dist.isend(header, self.dst, tag=HEADER_TAG), dist.irecv(r_header, self.dst, tag=REPLY_TAG),
-               dist.irecv(msg, self.dst, tag=REPLY_TAG)], self.timeout_s, f"reward rank {self.dst}'s snapshot")
+        _wait([self._send_header(header), self._recv_reply(r_header), self._recv_reply(msg)], self.timeout_s,
+              f"reward rank {self.dst}'s snapshot")
         if int(r_header[0].item()) != OK:
             raise RewardServiceError(f"reward rank {self.dst} failed: {_decode_msg(msg)}")
 
     def finish(self, step: int = 0, preempted: bool = False) -> None:
         header = torch.tensor([DONE, step, int(preempted), 0, 0, 0], dtype=torch.int64, device=self.dev)
-        _wait([dist.isend(header, self.dst, tag=HEADER_TAG)], self.timeout_s,
-              "the reward rank to take the end message")
+        _wait([self._send_header(header)], self.timeout_s, "the reward rank to take the end message")
 
     def report_error(self, text: str) -> None:
         """Best effort: tell the reward rank why this train rank is stopping."""
         try:
             header = torch.tensor([ERROR, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
-            _wait([dist.isend(header, self.dst, tag=HEADER_TAG),
-                   dist.isend(_encode_msg(text).to(self.dev), self.dst, tag=PAYLOAD_TAG)], 10.0,
+            _wait([self._send_header(header), self._send(_encode_msg(text).to(self.dev))], 10.0,
                   "the reward rank to take the error message")
         except Exception:  # noqa: BLE001 - the peer may be gone already
             pass
@@ -194,14 +226,19 @@ class LocalRewardClient:
 
 
 class HeaderReceiver:
-    """The next request header from any client. gloo can receive from any source (by tag);
-    NCCL cannot, but its posted irecvs report completion, so they are polled instead."""
+    """The next request header from any client. Under NCCL each link has one pre-posted receive,
+    polled for completion (NCCL cannot receive from any source); under gloo the header is taken
+    from any source on the world group by its tag (gloo's receives report completion only once
+    waited on, so they cannot be polled)."""
 
-    def __init__(self, clients: list[int], device: torch.device, timeout_s: float):
-        self.device, self.timeout_s = device, timeout_s
-        self.polling = dist.get_backend() == "nccl"
-        self.headers = {c: torch.zeros(6, dtype=torch.int64, device=device) for c in clients}
-        self.posted = {c: dist.irecv(self.headers[c], c, tag=HEADER_TAG) for c in clients} if self.polling else {}
+    def __init__(self, links: dict[int, Link], device: torch.device, timeout_s: float):
+        self.links, self.device, self.timeout_s = links, device, timeout_s
+        self.polling = any(link.header_group is not None for link in links.values())
+        self.headers = {c: torch.zeros(6, dtype=torch.int64, device=device) for c in links}
+        self.posted = {c: self._post(c) for c in links} if self.polling else {}
+
+    def _post(self, client: int):
+        return dist.irecv(self.headers[client], client, group=self.links[client].header_group, tag=HEADER_TAG)
 
     def next(self, active: list[int]) -> tuple[int, torch.Tensor]:
         if not self.polling:
@@ -209,8 +246,7 @@ class HeaderReceiver:
             try:  # any source; bounded by the process group's timeout (layout.timeout_s)
                 src = dist.recv(h, None, tag=HEADER_TAG)
             except RuntimeError as e:
-                first = (str(e).strip().splitlines() or [""])[0]
-                raise RewardServiceError(f"no request from train ranks {active} ({first})") from None
+                raise RewardServiceError(f"no request from train ranks {active} ({first_line(e)})") from None
             return src, h
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -224,21 +260,22 @@ class HeaderReceiver:
 
     def rearm(self, client: int) -> None:
         if self.polling:
-            self.posted[client] = dist.irecv(self.headers[client], client, tag=HEADER_TAG)
+            self.posted[client] = self._post(client)
 
     def drop(self, client: int) -> None:
         self.posted.pop(client, None)
 
 
-def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_s: float, log,
+def serve(links: dict[int, Link], score_fn, comm_device: torch.device, idle_timeout_s: float, log,
           snapshot_fn=None, preempt_flag=None) -> dict[str, float]:
-    """The reward rank's loop: answer every train rank in `clients` until all said DONE.
+    """The reward rank's loop: answer every train rank in `links` (train rank -> its Link) until
+    all said DONE.
     `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n]`. Returns
     busy/idle seconds and whether the train ranks stopped for preemption.
     `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's ERROR, or a scoring failure, raises RewardServiceError
     after the failing side has been told."""
-    receiver = HeaderReceiver(clients, comm_device, idle_timeout_s)
-    active = deque(clients)
+    receiver = HeaderReceiver(links, comm_device, idle_timeout_s)
+    active = deque(links)
     busy = idle = 0.0
     preempted = False
     last = time.monotonic()
@@ -246,7 +283,7 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
     def reply(to: int, status: int, n: int, *tensors) -> None:
         head = [status, n, int(busy * 1e6), int(idle * 1e6), int(bool(preempt_flag and preempt_flag.requested))]
         for t in (torch.tensor(head, dtype=torch.int64), *tensors):
-            dist.send(t.to(comm_device), to, tag=REPLY_TAG)
+            dist.send(t.to(comm_device), to, group=links[to].group, tag=REPLY_TAG)
 
     while active:
         ready, header = receiver.next(list(active))
@@ -264,7 +301,7 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
             continue
         if kind == ERROR:
             msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=comm_device)
-            dist.recv(msg, ready, tag=PAYLOAD_TAG)
+            dist.recv(msg, ready, group=links[ready].group, tag=PAYLOAD_TAG)
             raise RewardServiceError(f"train rank {ready} failed: {_decode_msg(msg)}")
         if kind == SNAPSHOT:
             try:
@@ -278,8 +315,8 @@ def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_
             continue
         images = torch.empty((n, height, width, 3), dtype=torch.uint8, device=comm_device)
         idx = torch.empty(n, dtype=torch.int64, device=comm_device)
-        dist.recv(images, ready, tag=PAYLOAD_TAG)
-        dist.recv(idx, ready, tag=PAYLOAD_TAG)
+        dist.recv(images, ready, group=links[ready].group, tag=PAYLOAD_TAG)
+        dist.recv(idx, ready, group=links[ready].group, tag=PAYLOAD_TAG)
         try:
             scores = score_fn(kind, step, images.cpu(), idx.cpu().tolist()).to(torch.float32)
             status, text = OK, ""

@@ -3,7 +3,9 @@ rank's service. Failures become one line naming the rank and its reason."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 import time
 
 import torch
@@ -18,7 +20,7 @@ from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve
 from hpcnft.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
 from hpcnft.reward import PickScoreScorer
-from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
+from hpcnft.reward_service import EVAL, Link, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -66,9 +68,9 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
         with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
             f.write(determinism.capture_rng_state())
 
-    log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), score_fn, topo.comm_device, cfg.layout.timeout_s, log,
-                  snapshot, flag)
+    links = {c: Link.between(c, topo.pair_groups[c], topo.backend) for c in topo.clients_of(topo.rank)}
+    log.info("reward rank %d serving train ranks %s", topo.rank, list(links))
+    stats = serve(links, score_fn, topo.comm_device, cfg.layout.timeout_s, log, snapshot, flag)
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
 
@@ -88,7 +90,8 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
         client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
-        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.comm_device, cfg.layout.timeout_s)
+        link = Link.between(topo.reward_rank_for(topo.rank), topo.pair_groups[topo.rank], topo.backend)
+        client = RemoteRewardClient(link, topo.comm_device, cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
     return TrainRank(cfg, topo, group, mesh, client, pipe, policy, trainer)
@@ -286,9 +289,16 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
     try:
-        return _run_rank(cfg, info, recipe, flag)
+        code = _run_rank(cfg, info, recipe, flag)
     finally:
         flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
+    if code == EXIT_FAILED and dist.is_initialized():
+        # A failed rank leaves at once: a process group with operations still posted (NCCL's
+        # header receives, a collective a dead peer never joined) can hang the interpreter's exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
@@ -302,6 +312,9 @@ def _run_rank(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> 
         return EXIT_BAD_INPUT
     try:
         topo, group, mesh = distributed.setup(cfg, info)
+    except ConfigError as e:
+        print_err(f"rank {info.rank}: {e}")
+        return EXIT_BAD_INPUT
     except distributed.RendezvousError as e:
         print_err(str(e))
         return EXIT_FAILED

@@ -81,8 +81,9 @@ WORLD1_LEVERS = ("perf.skip_single_rank_fsdp=true", "perf.merge_lora_nograd=true
                  "perf.old_pass_batch=4", "perf.overlap_reward=true")
 
 
-@pytest.mark.parametrize("train_ranks,reward_ranks,levers", [(1, 0, ()), (1, 1, ()), (1, 0, WORLD1_LEVERS)],
-                         ids=["1+0", "1+1", "1+0-levers"])
+@pytest.mark.parametrize("train_ranks,reward_ranks,levers",
+                         [(1, 0, ()), (1, 1, ()), (4, 1, ()), (2, 2, ()), (1, 0, WORLD1_LEVERS)],
+                         ids=["1+0", "1+1", "4+1", "2+2", "1+0-levers"])
 def test_layouts_agree_at_step_one(three_steps, tmp_path, train_ranks, reward_ranks, levers):
     run_dir = str(tmp_path / f"layout-{train_ranks}-{reward_ranks}")
     sets = [a for lever in levers for a in ("--set", lever)]
