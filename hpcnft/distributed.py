@@ -40,8 +40,9 @@ class Topology:
     restart_count: int = 0
     hosts: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
-    # This rank's reward links: train rank -> the process group of it and its reward rank.
-    pair_groups: dict = field(default_factory=dict, repr=False)
+    # The reward traffic's group of every rank on the host (gloo); None when the world group is
+    # gloo already (reward_service says why NCCL does not carry it).
+    host_group: object = field(default=None, repr=False)
 
     @property
     def role(self) -> str:
@@ -151,12 +152,8 @@ def setup(cfg: Config, info: LaunchInfo):
     # Always a group of the train ranks (even of one): collectives such as DCP's must never
     # include the reward ranks, which are busy serving.
     train_group = dist.new_group(train, timeout=timeout)
-    # One group per train/reward pair, made by every rank in the same order (new_group is
-    # collective); a rank keeps the ones it belongs to.
-    for t in train if reward else []:
-        pair = dist.new_group([t, topo.reward_rank_for(t)], timeout=timeout)
-        if info.rank in (t, topo.reward_rank_for(t)):
-            topo.pair_groups[t] = pair
+    if reward and backend != "gloo":
+        topo.host_group = dist.new_group(backend="gloo", timeout=timeout)
     mesh = DeviceMesh(device.type, torch.tensor(train))
     return topo, train_group, mesh
 

@@ -20,7 +20,7 @@ from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve
 from hpcnft.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
 from hpcnft.reward import PickScoreScorer
-from hpcnft.reward_service import EVAL, Link, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
+from hpcnft.reward_service import EVAL, LocalRewardClient, RemoteRewardClient, RewardServiceError, serve
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -68,9 +68,8 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
         with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
             f.write(determinism.capture_rng_state())
 
-    links = {c: Link.between(c, topo.pair_groups[c], topo.backend) for c in topo.clients_of(topo.rank)}
-    log.info("reward rank %d serving train ranks %s", topo.rank, list(links))
-    stats = serve(links, score_fn, topo.comm_device, cfg.layout.timeout_s, log, snapshot, flag)
+    log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
+    stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag)
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK
 
@@ -90,8 +89,7 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> TrainRank:
         client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
-        link = Link.between(topo.reward_rank_for(topo.rank), topo.pair_groups[topo.rank], topo.backend)
-        client = RemoteRewardClient(link, topo.comm_device, cfg.layout.timeout_s)
+        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
     return TrainRank(cfg, topo, group, mesh, client, pipe, policy, trainer)

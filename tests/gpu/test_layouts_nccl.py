@@ -1,7 +1,8 @@
 """The job's layouts over NCCL on one GPU. Every rank is a process of its own on the one device,
-each claiming a host of its own (`layout.emulate_hosts`), so NCCL runs its real collectives,
-sub-communicators and point-to-point traffic between them, as it does between GPUs and nodes
-(over sockets: for correctness, not speed). Deterministic mode, the tiny recipe in fp32."""
+each claiming a host of its own (`layout.emulate_hosts`), so NCCL runs its real communicators
+between them (FSDP2's collectives among the train ranks), as it does between GPUs and nodes
+(over sockets: for correctness, not speed), beside the reward traffic on the host group.
+Deterministic mode, the tiny recipe in fp32."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ from integration.jobs import (assert_same_metrics, hpcnft, kill_all_ranks, non_p
                               wait_for_line)
 from hpcnft.runfile import read_run
 
-NCCL = ["--set", "layout.device=cuda", "--set", "layout.backend=nccl", "--set", "layout.emulate_hosts=true"]
+TIMEOUT_S = 60
+NCCL = ["--set", "layout.device=cuda", "--set", "layout.backend=nccl", "--set", "layout.emulate_hosts=true",
+        "--set", f"layout.timeout_s={TIMEOUT_S}"]
 STEPS = "6"
 EVERY_STEP = ["--set", "checkpoint.every=1"]
 # What NCCL's watchdog and c10d print when a peer is lost: pages that belong in the rank's log.
@@ -83,13 +86,10 @@ def test_sigkill_of_every_rank_then_rerun_is_bit_identical(two_plus_one, tmp_pat
     assert_same_metrics(two_plus_one, run_dir)
 
 
-TIMEOUT_S = 60
-
-
 @pytest.mark.parametrize("victim,role", [(0, "train"), (2, "reward")])
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path, hpcnft_cache, victim, role):
     run_dir = str(tmp_path / f"dead-{victim}")
-    proc = start("run", "tiny", "--steps", "40", "--run-dir", run_dir, *NCCL, "--set", f"layout.timeout_s={TIMEOUT_S}")
+    proc = start("run", "tiny", "--steps", "40", "--run-dir", run_dir, *NCCL)
     wait_for_line(proc, "step 2/40")
     os.kill(rank_pids(proc.pid)[victim], signal.SIGKILL)
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
-"""The layout's plumbing that the GPU tests run for real: one process group per train/reward
-pair, how request headers travel per backend, emulated hosts for several NCCL ranks on one GPU,
-IPv6 rendezvous addresses, and native stderr kept out of the terminal."""
+"""The layout's plumbing that the GPU tests run for real: the reward traffic on a host group,
+answered per train rank in the order the requests come, emulated hosts for several NCCL ranks on
+one GPU, IPv6 rendezvous addresses, and native stderr kept out of the terminal."""
 from __future__ import annotations
 
 import os
@@ -14,14 +14,61 @@ import torch
 from hpcnft.config import ConfigError, load_config
 from hpcnft.distributed import Topology, emulate_host, resolve_backend
 from hpcnft.launch import LaunchInfo
-from hpcnft.reward_service import Link
+from hpcnft.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
 
 
-def test_nccl_links_carry_headers_on_the_pair_group_and_gloo_on_the_world():
-    pair = object()
-    nccl, gloo = Link.between(2, pair, "nccl"), Link.between(2, pair, "gloo")
-    assert nccl.group is pair and nccl.header_group is pair  # polled per pair: no head-of-line blocking
-    assert gloo.group is pair and gloo.header_group is None  # any-source receive on the world group
+def _score(kind, step, images, ids):
+    """A score that names its sample, its step and what the images hold."""
+    return torch.tensor(ids, dtype=torch.float32) * 1000 + step * 10 + images.float().mean(dim=(1, 2, 3)) + kind
+
+
+def _service_rank(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                            timeout=datetime.timedelta(seconds=60))
+    host = dist.new_group(backend="gloo")  # the host group a NCCL job makes
+    train = dist.new_group([0, 1])
+    if rank == 2:
+        results.put((2, serve([0, 1], host, _score)))
+    else:
+        client = RemoteRewardClient(2, host, 60.0)
+        if rank == 1:  # sends nothing until rank 0 has all its scores
+            dist.barrier(group=train)
+        images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
+        pending = [client.submit(ROLLOUT, step, images, [rank * 3 + i for i in range(3)]) for step in (1, 2)]
+        pending.append(client.submit(EVAL, 0, images[:1], [rank]))
+        scores = [client.collect(p).tolist() for p in pending]
+        if rank == 0:
+            dist.barrier(group=train)
+        client.finish(2)
+        results.put((rank, scores))
+    dist.destroy_process_group()
+
+
+def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
+    import torch.multiprocessing as mp
+
+    from hpcnft.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_service_rank, args=(r, port, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    for rank in (0, 1):
+        images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
+        want = [_score(ROLLOUT, step, images, [rank * 3 + i for i in range(3)]).tolist() for step in (1, 2)]
+        want.append(_score(EVAL, 0, images[:1], [rank]).tolist())
+        assert got[rank] == want
+    assert got[2]["preempted"] is False
 
 
 @pytest.mark.parametrize("train,reward", [(2, 1), (4, 1), (2, 2), (7, 1), (6, 2)])
