@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -231,7 +232,9 @@ def save_grid(run_dir: str, step: int, images: torch.Tensor, n: int) -> str:
 
 def fail_line(topo: Topology, e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {text[0] if text else ''}"
+    # c10d prefixes NCCL's reason with the C++ source line that raised it; the reason is what counts
+    first = re.sub(r"NCCL error in: \S+:\d+, ", "NCCL error: ", text[0] if text else "")
+    return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {first}"
 
 
 def print_err(line: str) -> None:

@@ -134,3 +134,15 @@ def test_native_stderr_goes_to_the_rank_log_and_hpcnft_lines_to_the_terminal(tmp
     assert r.stderr == "hpcnft: rank 3 (reward): RewardServiceError: lost the connection\n"
     log = (tmp_path / "logs" / "rank3.log").read_text()
     assert "Watchdog caught collective operation timeout" in log
+
+
+def test_a_rank_failing_on_nccl_names_the_reason_not_the_source_line():
+    from types import SimpleNamespace
+
+    from hpcnft.loop import fail_line
+
+    e = RuntimeError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3780, remote process "
+                     "exited or there was a network error, NCCL version 2.28.9\nncclRemoteError: ...")
+    assert fail_line(SimpleNamespace(rank=1, role="train"), e) == (
+        "rank 1 (train): RuntimeError: NCCL error: remote process exited or there was a network error, "
+        "NCCL version 2.28.9")
