@@ -200,6 +200,51 @@ def test_plot_writes_a_png_of_overlaid_runs(tmp_path, run_a):
     assert image.shape[0] > 0 and image.shape[1] > 0
 
 
+def _figure(paths, keys=None):
+    from hpcnft import report
+    from hpcnft.runfile import read_run
+
+    return report.curves_figure([read_run(p) for p in paths], keys)
+
+
+def test_plot_panels_have_y_labels_and_legends_that_tell_runs_in_other_folders_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    a = make_run(tmp_path / "sweep_a" / "run")
+    b = make_run(tmp_path / "sweep_b" / "run", nft_loss=(1.0, 2.0, 3.0, 4.0))
+    c = make_run(tmp_path / "solo")
+    fig, keys = _figure([a, os.path.join(b, "run.h5"), c])
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == keys
+    assert [ax.get_ylabel() for ax in axes] == [k.rsplit("/", 1)[-1] for k in keys]
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["sweep_a/run", "sweep_b/run", "solo"]
+    plt.close(fig)
+    fig, _ = _figure([a, a], ["train/nft_loss"])  # the same run twice is numbered, not merged
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["run #1", "run #2"]
+    plt.close(fig)
+
+
+def test_plot_of_a_single_step_centres_it_with_whole_step_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    one = make_run(tmp_path / "one", nft_loss=(15.25,))
+    fig, keys = _figure([one], ["train/nft_loss", "eval/pickscore_mean"])
+    for ax in fig.axes:
+        assert ax.get_xlim() == (0.0, 2.0)
+        assert list(ax.get_xticks()) == [1.0]
+        lo, hi = ax.get_ylim()
+        (value,) = ax.get_lines()[0].get_ydata()
+        assert lo < value < hi and hi - lo <= abs(value) * 0.2
+    fig.canvas.draw()
+    assert all(ax.yaxis.get_offset_text().get_text() == "" for ax in fig.axes)  # no "+1.525e1" offsets
+    plt.close(fig)
+    out = tmp_path / "one.png"
+    r = hpcnft("plot", one, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert read_png(out).size > 0
+
+
 def test_plot_unknown_key_is_exit_2(tmp_path, run_a):
     assert_one_line_error(hpcnft("plot", run_a, "-o", tmp_path / "x.png", "--keys", "train/kl_loss"))
 
