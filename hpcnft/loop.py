@@ -19,8 +19,8 @@ from hpcnft.distributed import Topology
 from hpcnft.perf import count_dit_flops, matmul_ceiling, mfu, span
 from hpcnft.prompts import PromptStream, read_prompt_file
 from hpcnft.reward_service import EVAL, ROLLOUT
-from hpcnft.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, image_grid,
-                            initial_noise, sigma_grid)
+from hpcnft.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample, initial_noise,
+                            prompt_grid, sigma_grid)
 
 log = logging.getLogger("hpcnft")
 
@@ -150,6 +150,28 @@ class TrainRank:
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).cpu()
 
+    def grid_images(self, step: int, images: torch.Tensor, n: int) -> tuple[torch.Tensor, list[str]] | None:
+        """Up to n rollout images for the sample grid, an equal share from every train rank, on
+        train rank 0 (None on the others), with each image's prompt. Every train rank must call
+        it. Only the shares travel, and only on grid steps; nothing random is drawn."""
+        ranks = len(self.topo.train_ranks)
+        share = min(len(images), math.ceil(n / ranks))
+        local = images[:share].contiguous()
+        dst = self.topo.train_ranks[0]
+        if self.group is None:
+            parts = [local]
+        else:
+            local = local.to(self.topo.comm_device)
+            parts = [torch.empty_like(local) for _ in range(ranks)] if self.topo.rank == dst else None
+            dist.gather(local, parts, dst=dst, group=self.group)
+        if self.topo.rank != dst:
+            return None
+        per = self.cfg.samples_per_step // ranks  # rank r owns samples r*per .. (r+1)*per - 1
+        indices = [r * per + j for r in range(ranks) for j in range(share)][:n]
+        prompts = self.stream.for_step(step, self.cfg.rollout.prompts_per_step)
+        g = self.cfg.rollout.samples_per_prompt
+        return torch.cat([p.cpu() for p in parts])[:n], [prompts[i // g] for i in indices]
+
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
         from hpcnft.trainer import PairBatch
@@ -221,12 +243,13 @@ def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, fi
             f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 
-def save_grid(run_dir: str, step: int, images: torch.Tensor, n: int) -> str:
+def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str]) -> str:
+    """samples/step_<k>.png: a column per prompt, headed by its text."""
     from PIL import Image
 
     os.makedirs(os.path.join(run_dir, "samples"), mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
-    Image.fromarray(image_grid(images[:n].numpy())).save(path)
+    Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
     return path
 
 
