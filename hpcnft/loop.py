@@ -260,6 +260,16 @@ def fail_line(topo: Topology, e: BaseException) -> str:
     return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {first}"
 
 
+def restore_stderr() -> None:
+    """Undo setup_logging's diversion of stderr (a rank's run ends; the process may go on)."""
+    global _terminal
+    if _terminal is not None:
+        sys.stderr.flush()
+        os.dup2(_terminal.fileno(), 2)
+        _terminal.close()
+        _terminal = None
+
+
 def print_err(line: str) -> None:
     print(f"hpcnft: {line}", file=_terminal or sys.stderr, flush=True)
 

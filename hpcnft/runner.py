@@ -15,7 +15,8 @@ from hpcnft import __version__, checkpoint, determinism, distributed, fast
 from hpcnft.config import Config, ConfigError, differing_keys, flatten
 from hpcnft.launch import LaunchInfo
 from hpcnft.loop import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED, TrainRank, fail_line, log,
-                         log_exception, print_err, progress_line, save_grid, seed_everything, setup_logging)
+                         log_exception, print_err, progress_line, restore_stderr, save_grid, seed_everything,
+                         setup_logging)
 from hpcnft.models import ModelError, load_pickscore, load_sd3_pipeline, resolve_model_paths
 from hpcnft.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.prompts import PromptFileError, PromptStream, read_prompt_file
@@ -313,6 +314,7 @@ def run_rank(cfg: Config, info: LaunchInfo, recipe: str) -> int:
         code = _run_rank(cfg, info, recipe, flag)
     finally:
         flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
+        restore_stderr()
     if code == EXIT_FAILED and dist.is_initialized():
         # A failed rank leaves at once: a process group with operations still posted (NCCL's
         # header receives, a collective a dead peer never joined) can hang the interpreter's exit.

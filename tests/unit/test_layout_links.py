@@ -124,14 +124,16 @@ def test_the_rendezvous_endpoint_brackets_ipv6(addr, endpoint):
 def test_native_stderr_goes_to_the_rank_log_and_hpcnft_lines_to_the_terminal(tmp_path):
     program = textwrap.dedent(f"""
         import os
-        from hpcnft.loop import print_err, setup_logging
+        from hpcnft.loop import print_err, restore_stderr, setup_logging
         setup_logging({str(tmp_path)!r}, 3)
         os.write(2, b"[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout\\n")
         print_err("rank 3 (reward): RewardServiceError: lost the connection")
+        restore_stderr()  # the rank's run is over: the process's stderr is the terminal again
+        os.write(2, b"after the run\\n")
     """)
     r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stderr == "hpcnft: rank 3 (reward): RewardServiceError: lost the connection\n"
+    assert r.stderr == "hpcnft: rank 3 (reward): RewardServiceError: lost the connection\nafter the run\n"
     log = (tmp_path / "logs" / "rank3.log").read_text()
     assert "Watchdog caught collective operation timeout" in log
 
