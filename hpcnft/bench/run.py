@@ -100,8 +100,10 @@ class Bench:
             self.phase(rec, *ph)
         if iteration:
             S = self.S
-            eager = stack.key == "eager"  # the eager iteration is the slow one: once, after its warm phases
-            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=0 if eager else self.args.iteration_warm,
+            # Every stack gets the same untimed iterations first (the eager one's phases alone
+            # may not have run: --phases iteration); the slow eager iteration is timed once.
+            eager = stack.key == "eager"
+            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=self.args.iteration_warm,
                            reps=1 if eager else self.args.iteration_reps, flops=False)
             if m is not None:
                 m.update(self._iteration_flops(rec))
@@ -355,7 +357,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
                    help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
     p.add_argument("--iteration-warm", type=int, default=1,
-                   help="untimed whole iterations of the hpcnft stacks first (default 1: an iteration meets shapes "
+                   help="untimed whole iterations of every stack first (default 1: an iteration meets shapes "
                         "its phases do not, the VAE and v_old at the rollout batch, and compiles them)")
     p.add_argument("--iteration-reps", type=int, default=1,
                    help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
