@@ -19,6 +19,7 @@ from hpcnft.dist.groups import Topology
 from hpcnft.dist.reward_service import EVAL, ROLLOUT
 from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 
+
 # -- which samples a rank owns ---------------------------------------------------------
 def owned_range(n: int, topo: Topology) -> range:
     """Samples are split across train ranks by global index, in contiguous blocks."""
@@ -118,6 +119,28 @@ class Learner:
         parts = [torch.empty_like(local) for _ in self.topo.train_ranks]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts).cpu()
+
+    def grid_images(self, step: int, images: torch.Tensor, n: int) -> tuple[torch.Tensor, list[str]] | None:
+        """Up to n rollout images for the sample grid, an equal share from every train rank, on
+        train rank 0 (None on the others), with each image's prompt. Every train rank must call
+        it. Only the shares travel, and only on grid steps; nothing random is drawn."""
+        ranks = len(self.topo.train_ranks)
+        share = min(len(images), math.ceil(n / ranks))
+        local = images[:share].contiguous()
+        dst = self.topo.train_ranks[0]
+        if self.group is None:
+            parts = [local]
+        else:
+            local = local.to(self.topo.comm_device)
+            parts = [torch.empty_like(local) for _ in range(ranks)] if self.topo.rank == dst else None
+            dist.gather(local, parts, dst=dst, group=self.group)
+        if self.topo.rank != dst:
+            return None
+        per = self.cfg.samples_per_step // ranks  # rank r owns samples r*per .. (r+1)*per - 1
+        indices = [r * per + j for r in range(ranks) for j in range(share)][:n]
+        prompts = self.stream.for_step(step, self.cfg.rollout.prompts_per_step)
+        g = self.cfg.rollout.samples_per_prompt
+        return torch.cat([p.cpu() for p in parts])[:n], [prompts[i // g] for i in indices]
 
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:

@@ -88,6 +88,25 @@ class PromptEncoder:
         return cond
 
 
+def truncated_prompts(pipe, prompts: list[str], max_sequence_length: int) -> tuple[int, dict[str, int]]:
+    """How many of `prompts` the text encoders cut, tokenized as encode_prompt does: the two CLIP
+    tokenizers at pipe.tokenizer_max_length (77) tokens, T5 at max_sequence_length, special tokens
+    included. Returns (prompts cut by any encoder, {encoder: prompts it cuts})."""
+    limits = [("CLIP", t, pipe.tokenizer_max_length) for t in (pipe.tokenizer, pipe.tokenizer_2) if t is not None]
+    if getattr(pipe, "text_encoder_3", None) is not None and pipe.tokenizer_3 is not None:
+        limits.append(("T5", pipe.tokenizer_3, max_sequence_length))
+    unique = list(dict.fromkeys(prompts))
+    cut_by: dict[str, set[str]] = {}
+    for name, tok, limit in limits:
+        cut = cut_by.setdefault(name, set())
+        for start in range(0, len(unique), 1024):
+            part = unique[start:start + 1024]
+            ids = tok(part, add_special_tokens=True, truncation=False)["input_ids"]
+            cut.update(p for p, x in zip(part, ids) if len(x) > limit)
+    cut_any = set().union(*cut_by.values()) if cut_by else set()
+    return sum(p in cut_any for p in prompts), {name: sum(p in c for p in prompts) for name, c in cut_by.items()}
+
+
 def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
              pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma."""
@@ -130,15 +149,59 @@ def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round") -> torc
     return img.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
 
 
-def image_grid(images: np.ndarray, columns: int = 4) -> np.ndarray:
-    """[n, H, W, 3] uint8 -> one grid image (rows of `columns`)."""
+def prompt_grid(images: np.ndarray, prompts: list[str], caption_lines: int = 3) -> np.ndarray:
+    """[n, H, W, 3] uint8 images and the prompt of each -> one grid image: a column per prompt
+    (consecutive images of one prompt, top to bottom), headed by the prompt's text, wrapped to
+    the column's width and cut after `caption_lines` lines."""
+    from PIL import Image, ImageDraw, ImageFont
+
     n, h, w, c = images.shape
-    rows = (n + columns - 1) // columns
-    grid = np.zeros((rows * h, columns * w, c), dtype=np.uint8)
-    for i, im in enumerate(images):
-        r, q = divmod(i, columns)
-        grid[r * h:(r + 1) * h, q * w:(q + 1) * w] = im
-    return grid
+    columns: list[tuple[str, list[int]]] = []
+    for i, prompt in enumerate(prompts):
+        if columns and columns[-1][0] == prompt:
+            columns[-1][1].append(i)
+        else:
+            columns.append((prompt, [i]))
+    font = ImageFont.load_default()
+    line_h = font.getbbox("Ag")[3] + 2
+    head = caption_lines * line_h + 4
+    rows = max(len(ids) for _, ids in columns)
+    canvas = Image.new("RGB", (len(columns) * w, head + rows * h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for q, (prompt, ids) in enumerate(columns):
+        for y, text in enumerate(_wrap(prompt, font, w - 4, caption_lines)):
+            draw.text((q * w + 2, 2 + y * line_h), text, fill="black", font=font)
+        for r, i in enumerate(ids):
+            canvas.paste(Image.fromarray(np.ascontiguousarray(images[i])), (q * w, head + r * h))
+    return np.asarray(canvas)
+
+
+def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
+    """Greedy word wrap to `width` pixels; a cut text ends in '...'."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        candidate = f"{line} {word}".strip()
+        if font.getlength(candidate) <= width or not line:
+            line = candidate
+        else:
+            lines.append(line)
+            line = word
+    lines.append(line)
+    lines = [_fit(x, font, width) for x in lines]
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = _fit(lines[-1] + "...", font, width, force_ellipsis=True)
+    return lines
+
+
+def _fit(text: str, font, width: int, force_ellipsis: bool = False) -> str:
+    if font.getlength(text) <= width and not (force_ellipsis and not text.endswith("...")):
+        return text
+    base = text[:-3] if text.endswith("...") else text
+    while base and font.getlength(base + "...") > width:
+        base = base[:-1]
+    return base + "..."
 
 
 def null_autocast():

@@ -41,7 +41,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration", choices=["fast", "all", "none"], default="fast",
                    help="which stacks run a whole iteration: fast (+ eager with --baseline), all, none")
     p.add_argument("--iteration-warm", type=int, default=1,
-                   help="untimed whole iterations of the hpcnft stacks first (default 1: an iteration meets shapes "
+                   help="untimed whole iterations of every stack first (default 1: an iteration meets shapes "
                         "its phases do not, the VAE and v_old at the rollout batch, and compiles them)")
     p.add_argument("--iteration-reps", type=int, default=1,
                    help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")

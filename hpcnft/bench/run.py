@@ -99,8 +99,10 @@ class Bench:
             self.phase(rec, *ph)
         if iteration:
             S = self.S
-            eager = stack.key == "eager"  # the eager iteration is the slow one: once, after its warm phases
-            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=0 if eager else self.args.iteration_warm,
+            # Every stack gets the same untimed iterations first (the eager one's phases alone
+            # may not have run: --phases iteration); the slow eager iteration is timed once.
+            eager = stack.key == "eager"
+            m = self.phase(rec, "iteration", stack.iteration, "iteration", 1, warm=self.args.iteration_warm,
                            reps=1 if eager else self.args.iteration_reps, flops=False)
             if m is not None:
                 m.update(self._iteration_flops(rec))

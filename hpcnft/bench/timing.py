@@ -26,7 +26,7 @@ def measure(fn, dev, warm: int, reps: int) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     times = time_calls(fn, dev, reps)
-    out = {"s": statistics.median(times), "runs_s": [round(t, 6) for t in times]}
+    out = {"s": statistics.median(times), "runs_s": [round(t, 6) for t in times], "warm": warm}
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return out

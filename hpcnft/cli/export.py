@@ -7,6 +7,7 @@ Runs in one process without a process group: DCP reassembles the sharded checkpo
 from __future__ import annotations
 
 import os
+import warnings
 
 from hpcnft.common.errors import UsageError
 
@@ -53,7 +54,11 @@ def load_transformer(ckpt_path: str, policy: str):
         tr.requires_grad_(True)
     trained = {n: p.detach() for n, p in tr.named_parameters() if p.requires_grad}
     state = {POLICIES[policy]: trained}
-    dcp.load(state, storage_reader=SafeReader(ckpt_path))  # into the live tensors, reassembling the shards
+    with warnings.catch_warnings():
+        # One process without a process group is this command's design, not a mistake to warn about.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        # into the live tensors, reassembling the shards
+        dcp.load(state, storage_reader=SafeReader(ckpt_path), no_dist=True)
     return cfg, pipe
 
 

@@ -9,6 +9,9 @@ import sys
 
 from hpcnft.common.errors import UsageError
 
+DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 against a PickScore reward, as one "
+               "torch.distributed job, and the tools around its runs.")
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
@@ -32,7 +35,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcnft", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hpcnft", description=DESCRIPTION,
+                                epilog="`hpcnft COMMAND --help` lists a command's options.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)

@@ -49,6 +49,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
                    help="metric keys to compare (default: every non-perf key in both)")
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: bitwise)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    p.add_argument("--prefix", action="store_true",
+                   help="runs of different lengths: compare only the steps up to the shorter one's last step")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.add_argument("--record", action="store_true", help="write run A's metrics as the standard B instead")
     p.epilog = "exit status: 0 same, 1 differ, 2 unusable input"
@@ -56,13 +58,14 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     if args.record:
-        if args.rtol or args.atol or args.json:
-            raise UsageError("--record takes no --rtol, --atol or --json")
+        if args.rtol or args.atol or args.json or args.prefix:
+            raise UsageError("--record takes no --rtol, --atol, --prefix or --json")
         doc = record_standard(args.a, args.b, args.keys)
         rows = sum(len(r) for r in doc["metrics"].values())
         print(f"recorded {len(doc['metrics'])} keys ({rows} rows) of {args.a} to {args.b}")
         return 0
-    result = compare_metrics(load_metrics(args.a), load_metrics(args.b), args.keys, args.rtol, args.atol)
+    result = compare_metrics(load_metrics(args.a), load_metrics(args.b), args.keys, args.rtol, args.atol,
+                             prefix=args.prefix)
     if args.json:
         print(json.dumps({"a": args.a, "b": args.b, **result.to_dict()}, indent=2))
     else:

@@ -18,7 +18,10 @@ def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
         p.add_argument("dir", help="output folder; receives sd35_tiny/ and pickscore_tiny/")
         return
-    p.add_argument("recipe", nargs="?", default="tiny", help="recipe name (tiny, sd35m_pickscore) or a TOML file")
+    from hpcnft.common.config import recipe_names
+
+    p.add_argument("recipe", nargs="?", default="tiny",
+                   help=f"recipe name ({', '.join(recipe_names())}; default tiny) or a TOML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config value, e.g. --set optim.lr=1e-4 (repeatable)")
     p.add_argument("--run-dir", help="where run.h5, checkpoints, logs and samples go")

@@ -126,6 +126,10 @@ class LayoutConfig:
     backend: str = "auto"  # "auto" (nccl on GPUs, gloo on CPUs), "gloo", "nccl"
     device: str = "auto"  # "auto", "cpu" or "cuda"
     timeout_s: float = 600.0  # collectives and reward traffic
+    # Several NCCL ranks on one GPU, each claiming a host of its own (NCCL_HOSTID) so that NCCL
+    # accepts them: to try a layout's code paths on one GPU. For correctness, not speed (the
+    # ranks then talk over sockets).
+    emulate_hosts: bool = False
 
 
 @dataclass
@@ -208,7 +212,8 @@ class Config:
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
 RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
-                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue"}
+                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
+                       "layout.emulate_hosts"}
 
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}

@@ -48,6 +48,9 @@ def flatten(d: dict, prefix: str = "") -> dict[str, object]:
 def validate(cfg) -> None:
     """Refuse a config (ConfigError naming the key) that no run could use."""
     flat = flatten(cfg.to_dict())
+    if cfg.layout.emulate_hosts and (cfg.layout.backend == "gloo" or cfg.layout.device == "cpu"):
+        raise ConfigError("layout.emulate_hosts: lets NCCL ranks share a GPU; it cannot apply with "
+                          f"layout.backend={cfg.layout.backend!r}, layout.device={cfg.layout.device!r}")
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key}: {flat[key]!r} is not one of {', '.join(allowed)}")

@@ -41,6 +41,9 @@ class Topology:
     restart_count: int = 0
     hosts: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
+    # The reward traffic's group of every rank on the host (gloo); None when the world group is
+    # gloo already (reward_service says why NCCL does not carry it).
+    host_group: object = field(default=None, repr=False)
 
     @property
     def role(self) -> str:
@@ -96,11 +99,28 @@ class RendezvousError(RuntimeError):
 def rendezvous_error(e: BaseException, info: LaunchInfo) -> RendezvousError:
     """One line for a failed init_process_group: where, why, and the fix when the port is taken."""
     first = first_line(e, type(e).__name__)
-    where = f"{info.master_addr}:{info.master_port}"
+    where = info.endpoint
     if "EADDRINUSE" in first or "address already in use" in first.lower():
         return RendezvousError(f"rank {info.rank} cannot listen on {where}: the port is taken on this node; "
                                f"set MASTER_PORT to a free port for this job")
     return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}: {first}")
+
+
+def resolve_backend(cfg: Config, device: torch.device) -> str:
+    """The collective backend: layout.backend, or NCCL on GPUs and gloo on CPUs. Refuses
+    layout.emulate_hosts where it cannot apply (ConfigError)."""
+    backend = cfg.layout.backend if cfg.layout.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if cfg.layout.emulate_hosts and backend != "nccl":
+        raise ConfigError(f"layout.emulate_hosts: lets NCCL ranks share a GPU; this job's backend is {backend} "
+                          f"on {device.type}")
+    return backend
+
+
+def emulate_host(rank: int, env=os.environ) -> None:
+    """Make this rank look like a host of its own to NCCL, which otherwise refuses two ranks of
+    one communicator on one GPU ("Duplicate GPU detected"); NCCL then joins them over sockets.
+    Read by NCCL when its first communicator starts, so set before the process group."""
+    env["NCCL_HOSTID"] = f"hpcnft-emulated-host-{rank}"
 
 
 def setup(cfg: Config, info: LaunchInfo):
@@ -109,12 +129,14 @@ def setup(cfg: Config, info: LaunchInfo):
     from torch.distributed.device_mesh import DeviceMesh
 
     device = pick_device(cfg, info.local_rank)
-    backend = cfg.layout.backend if cfg.layout.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    backend = resolve_backend(cfg, device)
+    if cfg.layout.emulate_hosts:
+        emulate_host(info.rank)
     train, reward = roles(info.world_size, cfg.layout.reward_ranks)
     timeout = datetime.timedelta(seconds=cfg.layout.timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        dist.init_process_group(backend, init_method=info.init_method,
                                 rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
     except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
         raise rendezvous_error(e, info) from e
@@ -127,6 +149,8 @@ def setup(cfg: Config, info: LaunchInfo):
     # Always a group of the train ranks (even of one): collectives such as DCP's must never
     # include the reward ranks, which are busy serving.
     train_group = dist.new_group(train, timeout=timeout)
+    if reward and backend != "gloo":
+        topo.host_group = dist.new_group(backend="gloo", timeout=timeout)
     mesh = DeviceMesh(device.type, torch.tensor(train))
     return topo, train_group, mesh
 

@@ -68,10 +68,15 @@ class LaunchInfo:
     node_rank: int       # 0 if unknown
 
     @property
-    def init_method(self) -> str:
-        """``tcp://addr:port`` for torch.distributed.init_process_group (IPv6 bracketed)."""
+    def endpoint(self) -> str:
+        """``addr:port`` of the rendezvous, an IPv6 address in brackets."""
         addr = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
-        return f"tcp://{addr}:{self.master_port}"
+        return f"{addr}:{self.master_port}"
+
+    @property
+    def init_method(self) -> str:
+        """``tcp://addr:port`` for torch.distributed.init_process_group."""
+        return f"tcp://{self.endpoint}"
 
     def describe(self) -> str:
         job = ""

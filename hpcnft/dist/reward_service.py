@@ -1,5 +1,5 @@
 """The reward rank's PickScore service and the train ranks' client, over point-to-point
-collectives (gloo on CPUs, NCCL on GPUs).
+messages on the host (gloo), whatever the job's collective backend.
 
 A train rank sends each decoded chunk as soon as it exists and keeps generating; the reward
 rank scores chunk j while chunk j+1 is being made. Messages:
@@ -14,12 +14,21 @@ rank scores chunk j while chunk j+1 is being made. Messages:
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
+
+Why gloo under NCCL too: the reward rank must take the next request from whichever train rank
+sends first, and only gloo receives from any source and matches messages by tag. NCCL does
+neither: a receive waits on the GPU for one peer, in the order posted. Pre-posted receives per
+train rank (even on a communicator per pair) leave kernels spinning on the device until that
+rank's next request, and CUDA shares its hardware queues between streams
+(CUDA_DEVICE_MAX_CONNECTIONS), so such a kernel can hold the traffic of another train rank
+behind it while the train ranks wait for each other in FSDP's collectives: a deadlock (seen on
+one H200 in the 3+1 layout). The images are consumed on the host anyway (PickScore's
+preprocessing) and are small beside a step (the recipe's 64 images of 512² are 48 MiB).
 """
 from __future__ import annotations
 
 import datetime
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -93,24 +102,30 @@ class Pending:
 
 
 class RemoteRewardClient:
-    """Train-rank side: submit chunks without blocking, collect scores later."""
+    """Train-rank side: submit chunks without blocking, collect scores later. `group` is the
+    job's host group (None: the world group, when it is gloo already)."""
 
-    def __init__(self, reward_rank: int, comm_device: torch.device, timeout_s: float):
-        self.dst, self.dev, self.timeout_s = reward_rank, comm_device, timeout_s
+    def __init__(self, reward_rank: int, group, timeout_s: float):
+        self.dst, self.group, self.timeout_s = reward_rank, group, timeout_s
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
         self.peer_preempt = False
 
+    def _send(self, t: torch.Tensor, tag: int):
+        return dist.isend(t, self.dst, group=self.group, tag=tag)
+
+    def _recv(self, t: torch.Tensor):
+        return dist.irecv(t, self.dst, group=self.group, tag=REPLY_TAG)
+
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]) -> Pending:
         n, h, w, _ = images.shape
-        header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64, device=self.dev)
-        imgs = images.to(self.dev)
-        idx = torch.tensor(indices, dtype=torch.int64, device=self.dev)
-        works = [dist.isend(header, self.dst, tag=HEADER_TAG), dist.isend(imgs, self.dst, tag=PAYLOAD_TAG),
-                 dist.isend(idx, self.dst, tag=PAYLOAD_TAG)]
-        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
-        scores = torch.zeros(n, dtype=torch.float32, device=self.dev)
-        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
-        works += [dist.irecv(t, self.dst, tag=REPLY_TAG) for t in (r_header, scores, msg)]
+        header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64)
+        imgs = images.cpu().contiguous()  # waits for the decode of this chunk only
+        idx = torch.tensor(indices, dtype=torch.int64)
+        works = [self._send(header, HEADER_TAG), self._send(imgs, PAYLOAD_TAG), self._send(idx, PAYLOAD_TAG)]
+        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64)
+        scores = torch.zeros(n, dtype=torch.float32)
+        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+        works += [self._recv(t) for t in (r_header, scores, msg)]
         return Pending(works, scores, r_header, msg, (header, imgs, idx), self.dst)
 
     def collect(self, p: Pending) -> torch.Tensor:
@@ -120,29 +135,27 @@ class RemoteRewardClient:
             raise RewardServiceError(f"reward rank {p.reward_rank} failed: {_decode_msg(p.msg)}")
         self.server_busy_s, self.server_idle_s = p.header[2].item() / 1e6, p.header[3].item() / 1e6
         self.peer_preempt = self.peer_preempt or bool(p.header[4].item())
-        return p.scores.cpu()
+        return p.scores
 
     def snapshot(self, step: int) -> None:
         """Have the reward rank write its RNG state into the checkpoint of `step`."""
-        header = torch.tensor([SNAPSHOT, step, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
-        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64, device=self.dev)
-        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=self.dev)
-        _wait([dist.isend(header, self.dst, tag=HEADER_TAG), dist.irecv(r_header, self.dst, tag=REPLY_TAG),
-               dist.irecv(msg, self.dst, tag=REPLY_TAG)], self.timeout_s, f"reward rank {self.dst}'s snapshot")
+        header = torch.tensor([SNAPSHOT, step, 0, 0, 0, 0], dtype=torch.int64)
+        r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64)
+        msg = torch.zeros(MSG_BYTES, dtype=torch.uint8)
+        _wait([self._send(header, HEADER_TAG), self._recv(r_header), self._recv(msg)], self.timeout_s,
+              f"reward rank {self.dst}'s snapshot")
         if int(r_header[0].item()) != OK:
             raise RewardServiceError(f"reward rank {self.dst} failed: {_decode_msg(msg)}")
 
     def finish(self, step: int = 0, preempted: bool = False) -> None:
-        header = torch.tensor([DONE, step, int(preempted), 0, 0, 0], dtype=torch.int64, device=self.dev)
-        _wait([dist.isend(header, self.dst, tag=HEADER_TAG)], self.timeout_s,
-              "the reward rank to take the end message")
+        header = torch.tensor([DONE, step, int(preempted), 0, 0, 0], dtype=torch.int64)
+        _wait([self._send(header, HEADER_TAG)], self.timeout_s, "the reward rank to take the end message")
 
     def report_error(self, text: str) -> None:
         """Best effort: tell the reward rank why this train rank is stopping."""
         try:
-            header = torch.tensor([ERROR, 0, 0, 0, 0, 0], dtype=torch.int64, device=self.dev)
-            _wait([dist.isend(header, self.dst, tag=HEADER_TAG),
-                   dist.isend(_encode_msg(text).to(self.dev), self.dst, tag=PAYLOAD_TAG)], 10.0,
+            header = torch.tensor([ERROR, 0, 0, 0, 0, 0], dtype=torch.int64)
+            _wait([self._send(header, HEADER_TAG), self._send(_encode_msg(text), PAYLOAD_TAG)], 10.0,
                   "the reward rank to take the error message")
         except Exception:  # noqa: BLE001 - the peer may be gone already
             pass
@@ -195,104 +208,72 @@ class LocalRewardClient:
 
 
 
-class HeaderReceiver:
-    """The next request header from any client. gloo can receive from any source (by tag);
-    NCCL cannot, but its posted irecvs report completion, so they are polled instead."""
-
-    def __init__(self, clients: list[int], device: torch.device, timeout_s: float):
-        self.device, self.timeout_s = device, timeout_s
-        self.polling = dist.get_backend() == "nccl"
-        self.headers = {c: torch.zeros(6, dtype=torch.int64, device=device) for c in clients}
-        self.posted = {c: dist.irecv(self.headers[c], c, tag=HEADER_TAG) for c in clients} if self.polling else {}
-
-    def next(self, active: list[int]) -> tuple[int, torch.Tensor]:
-        if not self.polling:
-            h = torch.zeros(6, dtype=torch.int64)
-            try:  # any source; bounded by the process group's timeout (layout.timeout_s)
-                src = dist.recv(h, None, tag=HEADER_TAG)
-            except RuntimeError as e:
-                first = first_line(e)
-                raise RewardServiceError(f"no request from train ranks {active} ({first})") from None
-            return src, h
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            for c in active:
-                if self.posted[c].is_completed():
-                    self.posted[c].wait()
-                    return c, self.headers[c].clone()
-            if time.monotonic() > deadline:
-                raise RewardServiceError(f"no request from train ranks {active} for {self.timeout_s:.0f} s")
-            time.sleep(0.0005)
-
-    def rearm(self, client: int) -> None:
-        if self.polling:
-            self.posted[client] = dist.irecv(self.headers[client], client, tag=HEADER_TAG)
-
-    def drop(self, client: int) -> None:
-        self.posted.pop(client, None)
+def next_request(group, active: list[int]) -> tuple[int, torch.Tensor]:
+    """The next request header from whichever train rank sends first (any source, by tag),
+    bounded by the group's timeout (layout.timeout_s)."""
+    h = torch.zeros(6, dtype=torch.int64)
+    try:
+        src = dist.recv(h, None, group=group, tag=HEADER_TAG)
+    except RuntimeError as e:
+        raise RewardServiceError(f"no request from train ranks {active} ({first_line(e)})") from None
+    if src not in active:
+        raise RewardServiceError(f"a request from rank {src}, which is not one of this reward rank's train "
+                                 f"ranks {active}")
+    return src, h
 
 
-def serve(clients: list[int], score_fn, comm_device: torch.device, idle_timeout_s: float, log,
-          snapshot_fn=None, preempt_flag=None) -> dict[str, float]:
-    """The reward rank's loop: answer every train rank in `clients` until all said DONE.
+def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=None) -> dict[str, float]:
+    """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
+    host group `group` (None: the world group, when it is gloo already).
     `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n]`. Returns
     busy/idle seconds and whether the train ranks stopped for preemption.
-    `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's ERROR, or a scoring failure, raises RewardServiceError
-    after the failing side has been told."""
-    receiver = HeaderReceiver(clients, comm_device, idle_timeout_s)
-    active = deque(clients)
+    `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's
+    ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told."""
+    active = list(clients)
     busy = idle = 0.0
     preempted = False
     last = time.monotonic()
 
+    def recv(t: torch.Tensor, src: int) -> torch.Tensor:
+        dist.recv(t, src, group=group, tag=PAYLOAD_TAG)
+        return t
+
     def reply(to: int, status: int, n: int, *tensors) -> None:
         head = [status, n, int(busy * 1e6), int(idle * 1e6), int(bool(preempt_flag and preempt_flag.requested))]
         for t in (torch.tensor(head, dtype=torch.int64), *tensors):
-            dist.send(t.to(comm_device), to, tag=REPLY_TAG)
+            dist.send(t, to, group=group, tag=REPLY_TAG)
 
     while active:
-        ready, header = receiver.next(list(active))
-
+        ready, header = next_request(group, active)
         now = time.monotonic()
         idle += now - last
-        h = header.cpu().tolist()
+        h = header.tolist()
         validate_header(h)
         kind, step, n, height, width, _ = h
         if kind == DONE:
             preempted = preempted or bool(n)
             active.remove(ready)
-            receiver.drop(ready)
-            last = time.monotonic()
-            continue
-        if kind == ERROR:
-            msg = torch.zeros(MSG_BYTES, dtype=torch.uint8, device=comm_device)
-            dist.recv(msg, ready, tag=PAYLOAD_TAG)
+        elif kind == ERROR:
+            msg = recv(torch.zeros(MSG_BYTES, dtype=torch.uint8), ready)
             raise RewardServiceError(f"train rank {ready} failed: {_decode_msg(msg)}")
-        if kind == SNAPSHOT:
+        elif kind == SNAPSHOT:
             try:
                 snapshot_fn(step)
                 reply(ready, OK, 0, _encode_msg(""))
             except Exception as e:  # noqa: BLE001
                 reply(ready, FAILED, 0, _encode_msg(f"{type(e).__name__}: {e}"))
                 raise
-            receiver.rearm(ready)
-            last = time.monotonic()
-            continue
-        images = torch.empty((n, height, width, 3), dtype=torch.uint8, device=comm_device)
-        idx = torch.empty(n, dtype=torch.int64, device=comm_device)
-        dist.recv(images, ready, tag=PAYLOAD_TAG)
-        dist.recv(idx, ready, tag=PAYLOAD_TAG)
-        try:
-            scores = score_fn(kind, step, images.cpu(), idx.cpu().tolist()).to(torch.float32)
-            status, text = OK, ""
-        except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
-            scores, status, text = torch.zeros(n), FAILED, f"{type(e).__name__}: {e}"
-        busy += time.monotonic() - now
-        reply(ready, status, n, scores, _encode_msg(text))
-        if status != OK:
-            raise RewardServiceError(f"scoring failed: {text}")
-        receiver.rearm(ready)
-        active.remove(ready)  # round-robin between clients that are ready together
-        active.append(ready)
+        else:
+            images = recv(torch.empty((n, height, width, 3), dtype=torch.uint8), ready)
+            idx = recv(torch.empty(n, dtype=torch.int64), ready)
+            try:
+                scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu()
+                status, text = OK, ""
+            except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
+                scores, status, text = torch.zeros(n), FAILED, f"{type(e).__name__}: {e}"
+            busy += time.monotonic() - now
+            reply(ready, status, n, scores, _encode_msg(text))
+            if status != OK:
+                raise RewardServiceError(f"scoring failed: {text}")
         last = time.monotonic()
     return {"busy_s": busy, "idle_s": idle, "preempted": preempted}

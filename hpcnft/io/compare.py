@@ -54,24 +54,48 @@ class Comparison:
     rtol: float = 0.0
     atol: float = 0.0
     divergences: list[Divergence] = field(default_factory=list)  # earliest step first
+    last_a: float | None = None  # the last step of A's compared keys (None: no rows)
+    last_b: float | None = None
+    prefix: bool = False  # only the steps up to the shorter side's last step were compared
 
     @property
     def same(self) -> bool:
         return not self.divergences
 
     @property
+    def lengths_differ(self) -> bool:
+        return self.last_a != self.last_b
+
+    @property
     def verdict(self) -> str:
         tolerance = f" (rtol={self.rtol:g}, atol={self.atol:g})" if self.rtol or self.atol else ""
+        lengths = (f"A runs to step {_step_text(self.last_a)}, B to step {_step_text(self.last_b)}"
+                   if self.lengths_differ else "")
+        if self.prefix and self.lengths_differ:
+            scope = f"{self.steps} common steps compared ({lengths})"
+        else:
+            scope = f"{self.steps} steps"
         if self.same:
-            return f"same: {len(self.keys)} keys, {self.steps} steps{tolerance}"
+            return f"same: {len(self.keys)} keys, {scope}{tolerance}"
         first = self.divergences[0]
-        return (f"differ: {len(self.divergences)} of {len(self.keys)} keys{tolerance}, "
+        text = (f"differ: {len(self.divergences)} of {len(self.keys)} keys{tolerance}, "
                 f"first at step {format_step(first.step)} ({first.key})")
+        if self.prefix and self.lengths_differ:
+            return f"{text}; {scope}"
+        if self.lengths_differ:
+            return f"{text}; the runs' lengths differ ({lengths}): --prefix compares their common steps"
+        return text
 
     def to_dict(self) -> dict:
         return {"same": self.same, "verdict": self.verdict, "keys": self.keys, "steps": self.steps,
-                "rtol": self.rtol, "atol": self.atol,
+                "rtol": self.rtol, "atol": self.atol, "prefix": self.prefix,
+                "last_step_a": None if self.last_a is None else json_step(self.last_a),
+                "last_step_b": None if self.last_b is None else json_step(self.last_b),
                 "divergences": [d.to_dict() for d in self.divergences]}
+
+
+def _step_text(s: float | None) -> str:
+    return "-" if s is None else format_step(s)
 
 
 # -- single values ----------------------------------------------------------------------
@@ -169,17 +193,43 @@ def select_keys(a_keys: Iterable[str], b_keys: Iterable[str], requested: Iterabl
 
 
 def compare_metrics(a: Mapping[str, Series], b: Mapping[str, Series], keys: Iterable[str] | None = None,
-                    rtol: float = 0.0, atol: float = 0.0) -> Comparison:
-    """Compare the chosen keys of two metric sets; raises CompareError on unusable input."""
+                    rtol: float = 0.0, atol: float = 0.0, prefix: bool = False) -> Comparison:
+    """Compare the chosen keys of two metric sets; raises CompareError on unusable input.
+
+    `prefix`: compare only the steps up to the shorter side's last step (runs of one config and
+    different lengths). The shorter side's rows at its own last step that the longer side lacks
+    there are left out: an end-of-run evaluation the longer run had no reason to make."""
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if not (tol >= 0 and math.isfinite(tol)):
             raise CompareError(f"{name} must be a finite number >= 0, got {tol!r}")
     chosen = select_keys(a, b, None if keys is None else list(keys))
-    divergences = [d for k in chosen if (d := compare_series(k, a[k], b[k], rtol, atol)) is not None]
+    sa = {k: _as_series(k, a[k]) for k in chosen}
+    sb = {k: _as_series(k, b[k]) for k in chosen}
+    last_a, last_b = _last_step(sa), _last_step(sb)
+    if prefix and last_a != last_b and last_a is not None and last_b is not None:
+        sa, sb = _common_prefix(sa, sb, last_a, last_b)
+    divergences = [d for k in chosen if (d := compare_series(k, sa[k], sb[k], rtol, atol)) is not None]
     divergences.sort(key=lambda d: (d.step, d.key))
-    all_steps = [_as_series(k, s)[:, 0] for m in (a, b) for k, s in m.items() if k in chosen]
+    all_steps = [s[:, 0] for m in (sa, sb) for s in m.values()]
     steps = len(np.unique(np.concatenate(all_steps))) if all_steps else 0
-    return Comparison(chosen, steps, float(rtol), float(atol), divergences)
+    return Comparison(chosen, steps, float(rtol), float(atol), divergences, last_a, last_b, prefix)
+
+
+def _last_step(metrics: Mapping[str, Series]) -> float | None:
+    lasts = [float(np.max(s[:, 0])) for s in metrics.values() if len(s)]
+    return max(lasts) if lasts else None
+
+
+def _common_prefix(sa: dict[str, Series], sb: dict[str, Series], last_a: float,
+                   last_b: float) -> tuple[dict[str, Series], dict[str, Series]]:
+    end = min(last_a, last_b)
+    short, long_ = (sa, sb) if last_a < last_b else (sb, sa)
+    short_out, long_out = {}, {}
+    for k in short:
+        s, lg = short[k][short[k][:, 0] <= end], long_[k][long_[k][:, 0] <= end]
+        extra = (s[:, 0] == end) & ~np.isin(s[:, 0], lg[:, 0])
+        short_out[k], long_out[k] = s[~extra], lg
+    return (short_out, long_out) if last_a < last_b else (long_out, short_out)
 
 
 # -- standards (JSON) -------------------------------------------------------------------

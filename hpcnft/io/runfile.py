@@ -48,7 +48,7 @@ PERF_KEYS = [
 PER_STEP_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + EMA_KEYS + PERF_KEYS
 ALL_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + KL_KEYS + EMA_KEYS + EVAL_KEYS + PERF_KEYS
 
-EVENT_KINDS = ("start", "resume", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval")
+EVENT_KINDS = ("start", "resume", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval", "warning")
 EVENT_DTYPE = np.dtype([("step", "<i8"), ("time", "<f8"), ("kind", "S16"), ("text", "S1024")])
 
 

@@ -4,7 +4,9 @@ line naming the rank, the traceback in its log), preemption 75."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ from hpcnft.dist.launch import LaunchInfo
 from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
-from hpcnft.run.output import fail_line, log, log_exception, print_err, setup_logging
+from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import default_run_dir
 
@@ -40,9 +42,17 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
     try:
-        return _rank_main(cfg, info, recipe, flag)
+        code = _rank_main(cfg, info, recipe, flag)
     finally:
         flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
+        restore_stderr()
+    if code == EXIT_FAILED and dist.is_initialized():
+        # A failed rank leaves at once: a process group with operations still posted (a
+        # collective a dead peer never joined) can hang the interpreter's exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
@@ -56,6 +66,9 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
         return EXIT_BAD_INPUT
     try:
         topo, group, mesh = groups.setup(cfg, info)
+    except ConfigError as e:
+        print_err(f"rank {info.rank}: {e}")
+        return EXIT_BAD_INPUT
     except groups.RendezvousError as e:
         print_err(str(e))
         return EXIT_FAILED

@@ -40,7 +40,7 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
         client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
-        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.comm_device, cfg.layout.timeout_s)
+        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s)
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
     return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer)
@@ -101,6 +101,26 @@ class TrainJob:
         w.event(start_step, "start", f"{topo.launcher} launch, world {topo.world_size}, train ranks "
                                      f"{topo.train_ranks}, reward ranks {topo.reward_ranks or 'colocated'}")
 
+    def warn_truncated_prompts(self, step: int) -> None:
+        """Rank 0, once per start: how many prompts the text encoders will cut."""
+        from hpcnft.algo.sampler import truncated_prompts
+
+        cfg, tr = self.cfg, self.tr
+        n_eval = min(cfg.eval.num_prompts or len(tr.eval_prompts), len(tr.eval_prompts))
+        prompts = tr.stream.prompts + tr.eval_prompts[:n_eval]
+        n_cut, by_encoder = truncated_prompts(tr.pipe, prompts, cfg.rollout.max_sequence_length)
+        if not n_cut:
+            return
+        limits = {"CLIP": f"{tr.pipe.tokenizer_max_length} tokens",
+                  "T5": f"rollout.max_sequence_length = {cfg.rollout.max_sequence_length} tokens"}
+        detail = ", ".join(f"{name} cuts {n} (over {limits[name]})" for name, n in by_encoder.items() if n)
+        text = (f"{n_cut} of {len(prompts)} prompts (train and eval) are longer than the text encoders take "
+                f"and are truncated: {detail}")
+        log.warning(text)
+        print_err(f"warning: {text}")
+        if self.writer:
+            self.writer.event(step, "warning", text)
+
     def save_checkpoint(self, step: int) -> None:
         cfg, tr, topo = self.cfg, self.tr, self.topo
         try:
@@ -134,6 +154,7 @@ class TrainJob:
         start_step = self.resume()
         if topo.rank == 0:
             self.open_run_file(start_step)
+            self.warn_truncated_prompts(start_step)
         w = self.writer
         if cfg.eval.at_start and start_step == 0:
             m = tr.evaluate()
@@ -144,11 +165,13 @@ class TrainJob:
             metrics, ro = tr.iteration(step)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
                 metrics.update(tr.evaluate())
+            every, n_grid = cfg.logging.sample_grid_every, cfg.logging.sample_grid_images
+            grid = tr.grid_images(step, ro.images, n_grid) if every and n_grid and \
+                (step % every == 0 or step == 1) else None  # every train rank takes part
             if w:
                 w.append_metrics(step, metrics)
-                every = cfg.logging.sample_grid_every
-                if every and (step % every == 0 or step == 1):
-                    save_grid(cfg.run_dir, step, ro.images, cfg.logging.sample_grid_images)
+                if grid is not None:
+                    save_grid(cfg.run_dir, step, *grid)
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
                 print(line, flush=True)
                 log.info(line)

@@ -34,7 +34,6 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
             f.write(determinism.capture_rng_state())
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), score_fn, topo.comm_device, cfg.layout.timeout_s, log,
-                  snapshot, flag)
+    stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag)
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK

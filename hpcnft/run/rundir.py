@@ -29,6 +29,21 @@ def preflight(cfg) -> None:
         raise UsageError(str(e)) from None
     check_run_dir(cfg.run_dir)
     check_existing_run(cfg)
+    check_backend(cfg)
+
+
+def check_backend(cfg) -> None:
+    """The backend the ranks will choose on this machine must suit the layout's options."""
+    import torch
+
+    from hpcnft.common.errors import ConfigError
+    from hpcnft.dist.groups import resolve_backend
+
+    gpu = cfg.layout.device != "cpu" and torch.cuda.is_available()
+    try:
+        resolve_backend(cfg, torch.device("cuda" if gpu else "cpu"))
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def default_run_dir(recipe: str) -> str:

@@ -100,6 +100,9 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     # only the iteration is profiled: the rollout forward and the train pairs were not asked for
     assert set(doc["stacks"]["hpcnft_fast"]["profile"]) == {"iteration"}
     assert "speedup_vs_eager" in doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]
+    # both stacks warmed alike before their timed iteration, however few phases ran before it
+    assert doc["stacks"]["eager"]["phases"]["iteration"]["warm"] == 1
+    assert doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]["warm"] == 1
     assert "pickscore_preprocess_cost" in doc["stacks"]["hpcnft_fast"]  # the iteration scores
     # and samples: the fp8 rollout's cost, small and not nothing
     cost = doc["stacks"]["hpcnft_fast"]["rollout_fp8_cost"]

@@ -26,7 +26,8 @@ def hpcnft(*args, timeout=60):
 
 
 def make_run(run_dir, nft_loss=(15.25, 16.5, 17.0, 19.0), done=True):
-    """A finished 4-step run: grad_norm NaN at step 1 (fp16 scaler overflow), eval at step 4 only."""
+    """A finished run (4 steps by default): grad_norm NaN at step 1 (fp16 scaler overflow), eval
+    at the last step only."""
     os.makedirs(run_dir, exist_ok=True)
     w = RunFileWriter(os.path.join(run_dir, "run.h5"), json.dumps(CONFIG), "0.1.0")
     w.set_topology({"world_size": 3, "backend": "gloo", "roles": ["train", "train", "reward"]})
@@ -36,9 +37,9 @@ def make_run(run_dir, nft_loss=(15.25, 16.5, 17.0, 19.0), done=True):
         w.append_metrics(step, {"rollout/reward/raw_mean": 0.7 + step / 100, "train/nft_loss": loss,
                                 "train/grad_norm": math.nan if step == 1 else 0.02 * step,
                                 "train/nft_pos_loss": 0.3, "perf/train_s": 1.0 + step})
-    w.append_metrics(4, {"eval/pickscore_mean": 21.5})
+    w.append_metrics(len(nft_loss), {"eval/pickscore_mean": 21.5})
     if done:
-        w.event(4, "done", "finished")
+        w.event(len(nft_loss), "done", "finished")
     w.close()
     return str(run_dir)
 
@@ -84,6 +85,22 @@ def test_compare_json_output(tmp_path, run_a):
         {"key": "train/grad_norm", "step": 4, "a": 0.08, "b": None, "ulps": None, "reason": short},
         {"key": "train/nft_loss", "step": 4, "a": 19.0, "b": None, "ulps": None, "reason": short},
     ]
+
+
+def test_compare_of_runs_of_different_lengths_says_so_and_prefix_compares_the_common_steps(tmp_path, run_a):
+    short = make_run(tmp_path / "short", nft_loss=(15.25, 16.5))
+    r = hpcnft("compare", run_a, short)
+    assert r.returncode == 1
+    assert r.stdout.splitlines()[-1].endswith(
+        "the runs' lengths differ (A runs to step 4, B to step 2): --prefix compares their common steps")
+    r = hpcnft("compare", "--prefix", run_a, short)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "same: 23 keys, 2 common steps compared (A runs to step 4, B to step 2)"
+    assert json.loads(hpcnft("compare", "--prefix", "--json", short, run_a).stdout)["steps"] == 2
+    other = make_run(tmp_path / "other", nft_loss=(15.25, 16.0))
+    r = hpcnft("compare", "--prefix", run_a, other)
+    assert r.returncode == 1
+    assert "train/nft_loss: first differs at step 2" in r.stdout and "2 common steps compared" in r.stdout
 
 
 def test_compare_missing_requested_key_is_exit_2(run_a):
@@ -182,6 +199,51 @@ def test_plot_writes_a_png_of_overlaid_runs(tmp_path, run_a):
     assert "5 panels, 2 runs" in r.stdout  # the four default training keys and eval/pickscore_mean
     image = read_png(out)
     assert image.shape[0] > 0 and image.shape[1] > 0
+
+
+def _figure(paths, keys=None):
+    from hpcnft.cli import plots as report
+    from hpcnft.io.runfile import read_run
+
+    return report.curves_figure([read_run(p) for p in paths], keys)
+
+
+def test_plot_panels_have_y_labels_and_legends_that_tell_runs_in_other_folders_apart(tmp_path):
+    import matplotlib.pyplot as plt
+
+    a = make_run(tmp_path / "sweep_a" / "run")
+    b = make_run(tmp_path / "sweep_b" / "run", nft_loss=(1.0, 2.0, 3.0, 4.0))
+    c = make_run(tmp_path / "solo")
+    fig, keys = _figure([a, os.path.join(b, "run.h5"), c])
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == keys
+    assert [ax.get_ylabel() for ax in axes] == [k.rsplit("/", 1)[-1] for k in keys]
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["sweep_a/run", "sweep_b/run", "solo"]
+    plt.close(fig)
+    fig, _ = _figure([a, a], ["train/nft_loss"])  # the same run twice is numbered, not merged
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["run #1", "run #2"]
+    plt.close(fig)
+
+
+def test_plot_of_a_single_step_centres_it_with_whole_step_ticks(tmp_path):
+    import matplotlib.pyplot as plt
+
+    one = make_run(tmp_path / "one", nft_loss=(15.25,))
+    fig, keys = _figure([one], ["train/nft_loss", "eval/pickscore_mean"])
+    for ax in fig.axes:
+        assert ax.get_xlim() == (0.0, 2.0)
+        assert list(ax.get_xticks()) == [1.0]
+        lo, hi = ax.get_ylim()
+        (value,) = ax.get_lines()[0].get_ydata()
+        assert lo < value < hi and hi - lo <= abs(value) * 0.2
+    fig.canvas.draw()
+    assert all(ax.yaxis.get_offset_text().get_text() == "" for ax in fig.axes)  # no "+1.525e1" offsets
+    plt.close(fig)
+    out = tmp_path / "one.png"
+    r = hpcnft("plot", one, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert read_png(out).size > 0
 
 
 def test_plot_unknown_key_is_exit_2(tmp_path, run_a):

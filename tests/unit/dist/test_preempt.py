@@ -64,7 +64,10 @@ def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
-        assert rank_main(cfg, detect({}), "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
+        from hpcnft.dist.groups import free_port
+
+        launch = detect({"MASTER_PORT": str(free_port())})  # not 29500, which another job may hold
+        assert rank_main(cfg, launch, "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
     finally:

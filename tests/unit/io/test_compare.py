@@ -195,3 +195,59 @@ def test_standard_reader_accepts_bare_nan_tokens():
 def test_malformed_standard_is_an_error(doc, message):
     with pytest.raises(CompareError, match=message):
         metrics_from_standard(doc)
+
+
+# -- runs of different lengths ------------------------------------------------------------
+def run_of(steps: int, eval_every: int = 5, loss_at_2: float = 2.0) -> dict:
+    """Metrics of a run of `steps` steps: a per-step key, and evals every `eval_every` steps and
+    at the end."""
+    loss = [float(s) for s in range(1, steps + 1)]
+    loss[1] = loss_at_2
+    evals = sorted({s for s in range(1, steps + 1) if s % eval_every == 0} | {steps})
+    return {"train/nft_loss": series(*loss),
+            "eval/pickscore_mean": series(*[0.5 + s for s in evals], steps=evals)}
+
+
+def test_different_lengths_differ_and_the_verdict_says_so_and_suggests_prefix():
+    result = compare_metrics(run_of(3), run_of(9))
+    assert not result.same
+    assert result.verdict.endswith("the runs' lengths differ (A runs to step 3, B to step 9): "
+                                   "--prefix compares their common steps")
+    assert result.to_dict()["last_step_a"] == 3 and result.to_dict()["last_step_b"] == 9
+
+
+def test_prefix_compares_the_common_steps_and_counts_them():
+    for a, b, order in ((run_of(3), run_of(9), "A runs to step 3, B to step 9"),
+                        (run_of(9), run_of(3), "A runs to step 9, B to step 3")):
+        result = compare_metrics(a, b, prefix=True)
+        assert result.same, result.divergences
+        assert result.verdict == f"same: 2 keys, 3 common steps compared ({order})"
+
+
+def test_prefix_still_finds_a_difference_inside_the_common_steps():
+    result = compare_metrics(run_of(3, loss_at_2=2.5), run_of(9), prefix=True)
+    assert not result.same
+    assert [(d.key, d.step) for d in result.divergences] == [("train/nft_loss", 2.0)]
+    assert "3 common steps compared" in result.verdict
+
+
+def test_prefix_still_finds_a_row_missing_inside_the_common_steps():
+    short = run_of(3)
+    short["train/nft_loss"] = short["train/nft_loss"][[0, 2]]  # step 2 lost
+    result = compare_metrics(short, run_of(9), prefix=True)
+    assert [(d.key, d.step) for d in result.divergences] == [("train/nft_loss", 2.0)]
+
+
+def test_prefix_keeps_a_periodic_row_at_the_shorter_runs_last_step():
+    # the 5-step run's eval at step 5 is also the 9-step run's periodic one: compared, and here it differs
+    short = run_of(5)
+    short["eval/pickscore_mean"] = series(9.0, steps=[5])
+    result = compare_metrics(short, run_of(9), prefix=True)
+    assert [(d.key, d.step) for d in result.divergences] == [("eval/pickscore_mean", 5.0)]
+
+
+def test_same_lengths_keep_the_plain_verdict_with_or_without_prefix():
+    assert compare_metrics(run_of(3), run_of(3)).verdict == "same: 2 keys, 3 steps"
+    assert compare_metrics(run_of(3), run_of(3), prefix=True).verdict == "same: 2 keys, 3 steps"
+    differ = compare_metrics(run_of(3, loss_at_2=7.0), run_of(3)).verdict
+    assert "lengths" not in differ and "--prefix" not in differ

@@ -1,0 +1,78 @@
+"""What a user reads: `hpcnft --help`, `run --help`, and README's reference tables against the
+code they describe."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from hpcnft.cli.main import COMMANDS, main
+from hpcnft.common.config import flatten, load_config, recipe_names
+from hpcnft.io.runfile import ALL_KEYS
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")
+
+
+def help_text(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_top_level_help_says_what_hpcnft_is_in_whole_sentences(capsys):
+    out = help_text(["--help"], capsys)
+    description = " ".join(out.split("\n\n")[1].split())
+    assert description.endswith(".") and "DiffusionNFT" in description
+    for name in COMMANDS:
+        assert re.search(rf"^\s+{re.escape(name)}\b", out, re.M), name
+
+
+def test_run_help_lists_every_recipe(capsys):
+    out = " ".join(help_text(["run", "--help"], capsys).split())
+    names = recipe_names()
+    assert len(names) >= 4
+    for name in names:
+        assert re.search(rf"[( ]{re.escape(name)}[,;)]", out), name
+
+
+def _readme() -> str:
+    with open(README, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_readme_shows_every_command():
+    text = _readme()
+    for name in COMMANDS:
+        assert f"hpcnft {name} " in text, name
+
+
+def _expand_braces(text: str) -> set[str]:
+    """`train/{a,b}` -> {train/a, train/b}; plain `x/y` -> {x/y}."""
+    found = set()
+    for item in re.findall(r"`([^`\s]+)`", text):
+        m = re.fullmatch(r"([\w/]*)\{([\w,]+)\}", item)
+        found |= {m.group(1) + s for s in m.group(2).split(",")} if m else {item}
+    return found
+
+
+def test_readme_names_every_metric_key():
+    documented = _expand_braces(_readme())
+    assert [k for k in ALL_KEYS if k not in documented] == []
+
+
+def test_readme_config_table_has_every_config_key():
+    text = _readme()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    missing = []
+    for key in flatten(load_config("tiny").to_dict()):
+        section, _, name = key.rpartition(".")
+        if not section:  # top-level keys (run_dir is --run-dir) are documented by name
+            if key != "run_dir" and f"`{key}`" not in text:
+                missing.append(key)
+            continue
+        in_row = any(r.startswith(f"| `{section}.") and f"`{name}`" in r.split("|")[1] for r in rows)
+        if not (f"`{key}`" in text or f"`{section}.*`" in text or in_row):
+            missing.append(key)
+    assert missing == []

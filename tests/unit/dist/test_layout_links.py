@@ -1,0 +1,150 @@
+"""The layout's plumbing that the GPU tests run for real: the reward traffic on a host group,
+answered per train rank in the order the requests come, emulated hosts for several NCCL ranks on
+one GPU, IPv6 rendezvous addresses, and native stderr kept out of the terminal."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hpcnft.common.config import ConfigError, load_config
+from hpcnft.dist.groups import Topology, emulate_host, resolve_backend
+from hpcnft.dist.launch import LaunchInfo
+from hpcnft.dist.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
+
+
+def _score(kind, step, images, ids):
+    """A score that names its sample, its step and what the images hold."""
+    return torch.tensor(ids, dtype=torch.float32) * 1000 + step * 10 + images.float().mean(dim=(1, 2, 3)) + kind
+
+
+def _service_rank(rank: int, port: int, results) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                            timeout=datetime.timedelta(seconds=60))
+    host = dist.new_group(backend="gloo")  # the host group a NCCL job makes
+    train = dist.new_group([0, 1])
+    if rank == 2:
+        results.put((2, serve([0, 1], host, _score)))
+    else:
+        client = RemoteRewardClient(2, host, 60.0)
+        if rank == 1:  # sends nothing until rank 0 has all its scores
+            dist.barrier(group=train)
+        images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
+        pending = [client.submit(ROLLOUT, step, images, [rank * 3 + i for i in range(3)]) for step in (1, 2)]
+        pending.append(client.submit(EVAL, 0, images[:1], [rank]))
+        scores = [client.collect(p).tolist() for p in pending]
+        if rank == 0:
+            dist.barrier(group=train)
+        client.finish(2)
+        results.put((rank, scores))
+    dist.destroy_process_group()
+
+
+def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
+    import torch.multiprocessing as mp
+
+    from hpcnft.dist.groups import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_service_rank, args=(r, port, results)) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    for rank in (0, 1):
+        images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
+        want = [_score(ROLLOUT, step, images, [rank * 3 + i for i in range(3)]).tolist() for step in (1, 2)]
+        want.append(_score(EVAL, 0, images[:1], [rank]).tolist())
+        assert got[rank] == want
+    assert got[2]["preempted"] is False
+
+
+@pytest.mark.parametrize("train,reward", [(2, 1), (4, 1), (2, 2), (7, 1), (6, 2)])
+def test_every_train_rank_has_exactly_one_reward_rank(train, reward):
+    topo = Topology(0, train + reward, 0, list(range(train)), list(range(train, train + reward)), "local", "gloo",
+                    torch.device("cpu"))
+    clients = [c for r in topo.reward_ranks for c in topo.clients_of(r)]
+    assert sorted(clients) == topo.train_ranks
+    loads = [len(topo.clients_of(r)) for r in topo.reward_ranks]
+    assert max(loads) - min(loads) <= 1  # spread evenly
+
+
+def test_emulated_hosts_are_distinct_per_rank():
+    envs = [{}, {}, {}]
+    for rank, env in enumerate(envs):
+        emulate_host(rank, env)
+    assert len({env["NCCL_HOSTID"] for env in envs}) == 3
+
+
+@pytest.mark.parametrize("over", [["layout.emulate_hosts=true", "layout.backend=gloo"],
+                                  ["layout.emulate_hosts=true", "layout.device=cpu"]])
+def test_emulated_hosts_without_nccl_are_refused_by_the_config(over):
+    with pytest.raises(ConfigError, match="layout.emulate_hosts"):
+        load_config("tiny", over)
+
+
+def test_emulated_hosts_on_a_cpu_device_are_refused_when_the_backend_is_chosen():
+    cfg = load_config("tiny", ["layout.emulate_hosts=true"])  # auto: gloo on a CPU
+    with pytest.raises(ConfigError, match="layout.emulate_hosts.*gloo on cpu"):
+        resolve_backend(cfg, torch.device("cpu"))
+    assert resolve_backend(cfg, torch.device("cuda", 0)) == "nccl"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_run_refuses_emulated_hosts_without_a_gpu_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", "1", "--run-dir",
+                        str(tmp_path / "run"), "--set", "layout.emulate_hosts=true"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "hpcnft run: error: layout.emulate_hosts: lets NCCL ranks share a GPU; this job's backend is gloo on cpu"]
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("addr,endpoint", [("::1", "[::1]:29500"), ("fe80::1%eth0", "[fe80::1%eth0]:29500"),
+                                           ("10.0.0.7", "10.0.0.7:29500"), ("node01", "node01:29500")])
+def test_the_rendezvous_endpoint_brackets_ipv6(addr, endpoint):
+    info = LaunchInfo("torchrun", 0, 1, 0, addr, 29500, None, 0, 0)
+    assert info.endpoint == endpoint
+    assert info.init_method == f"tcp://{endpoint}"
+
+
+def test_native_stderr_goes_to_the_rank_log_and_hpcnft_lines_to_the_terminal(tmp_path):
+    program = textwrap.dedent(f"""
+        import os
+        from hpcnft.run.output import print_err, restore_stderr, setup_logging
+        setup_logging({str(tmp_path)!r}, 3)
+        os.write(2, b"[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout\\n")
+        print_err("rank 3 (reward): RewardServiceError: lost the connection")
+        restore_stderr()  # the rank's run is over: the process's stderr is the terminal again
+        os.write(2, b"after the run\\n")
+    """)
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "hpcnft: rank 3 (reward): RewardServiceError: lost the connection\nafter the run\n"
+    log = (tmp_path / "logs" / "rank3.log").read_text()
+    assert "Watchdog caught collective operation timeout" in log
+
+
+def test_a_rank_failing_on_nccl_names_the_reason_not_the_source_line():
+    from types import SimpleNamespace
+
+    from hpcnft.run.output import fail_line
+
+    e = RuntimeError("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3780, remote process "
+                     "exited or there was a network error, NCCL version 2.28.9\nncclRemoteError: ...")
+    assert fail_line(SimpleNamespace(rank=1, role="train"), e) == (
+        "rank 1 (train): RuntimeError: NCCL error: remote process exited or there was a network error, "
+        "NCCL version 2.28.9")
