@@ -8,6 +8,7 @@ one rank of the job.
 from __future__ import annotations
 
 import os
+import time
 import sys
 
 from hpcnft.common.errors import UsageError
@@ -70,7 +71,10 @@ def spawn(cfg, args) -> int:
     if (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
         from hpcnft.models.loading import resolve_model_paths
 
+        t0 = time.perf_counter()
+        print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)  # build them once here rather than in every rank
+        print(f"hpcnft: tiny models built in {time.perf_counter() - t0:.1f} s", flush=True)
     world = 1 if cfg.layout.reward_ranks == 0 and cfg.layout.train_ranks == 1 else \
         cfg.layout.train_ranks + cfg.layout.reward_ranks
     train, reward = groups.roles(world, cfg.layout.reward_ranks)

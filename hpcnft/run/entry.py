@@ -22,7 +22,7 @@ from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import default_run_dir
+from hpcnft.run.rundir import default_run_dir, tiny_models_built
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -60,6 +60,8 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
     try:
         # The tiny models are built (once, under a file lock) before the process group exists:
         # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
+        if info.rank == 0 and (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
+            print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)
     except BAD_INPUT as e:
         print_err(f"rank {info.rank}: {type(e).__name__}: {e}")

@@ -51,14 +51,26 @@ class TrainJob:
 
     def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag):
         self.cfg, self.topo, self.group, self.flag = cfg, topo, group, flag
+        self.say("loading the models")
+        t0 = time.perf_counter()
         self.tr = build_train_rank(cfg, topo, group, mesh)
+        self.say(f"models loaded in {time.perf_counter() - t0:.1f} s")
         self.writer = None
         self.warnings: list[str] = []
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
+        self.last_checkpoint = ""
+
+    def say(self, text: str) -> None:
+        """What the user follows on the terminal: rank 0 prints it, every rank logs it."""
+        log.info(text)
+        if self.topo.rank == 0:
+            print(f"hpcnft: {text}", flush=True)
 
     def _warn(self, text: str) -> None:
         log.warning(text)
         self.warnings.append(text)
+        if self.topo.rank == 0:
+            print_err(f"warning: {text}")
 
     def resume(self) -> int:
         cfg, tr = self.cfg, self.tr
@@ -71,7 +83,8 @@ class TrainJob:
         blob = checkpoint.read_rng(path, self.topo.rank)
         if blob is not None:
             determinism.restore_rng_state(blob)
-        self.resumed_from = path
+        self.resumed_from = self.last_checkpoint = path
+        self.say(f"resuming after step {step} from checkpoint {path}")
         return step
 
     def open_run_file(self, start_step: int) -> None:
@@ -135,6 +148,7 @@ class TrainJob:
                 state = checkpoint.TrainState(step, tr.trainer.scaler.state_dict())
                 final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
                 self.writer.event(step, "checkpoint", final)
+                self.last_checkpoint = final
         except BaseException:
             if topo.rank == 0:  # a failed checkpoint leaves no .partial behind; older ones stay
                 checkpoint.discard_partial(cfg.run_dir, step)
@@ -161,6 +175,9 @@ class TrainJob:
             if w:
                 w.append_metrics(0, m)
         t_begin = time.perf_counter()
+        if start_step >= cfg.steps:
+            self.say(f"{cfg.run_dir} already finished at step {start_step}; nothing to run "
+                     f"(--steps N with N > {start_step} continues it)")
         for step in range(start_step + 1, cfg.steps + 1):
             metrics, ro = tr.iteration(step)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
@@ -185,6 +202,10 @@ class TrainJob:
         tr.client.finish(cfg.steps)
         if w:
             w.event(cfg.steps, "done", f"finished {cfg.steps} steps")
+        if start_step < cfg.steps:
+            wall = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - t_begin))
+            self.say(f"finished {cfg.steps} steps ({cfg.steps - start_step} in this start, {wall}); run file "
+                     f"{os.path.join(cfg.run_dir, 'run.h5')}; last checkpoint {self.last_checkpoint or 'none'}")
         return EXIT_OK
 
     def preempted(self, step: int) -> int:
