@@ -102,11 +102,19 @@ def test_emulated_hosts_on_a_cpu_device_are_refused_when_the_backend_is_chosen()
     assert resolve_backend(cfg, torch.device("cuda", 0)) == "nccl"
 
 
+def without_launcher() -> dict:
+    """This environment less any launcher's variables (CI runs inside a Slurm allocation), so
+    that `run` spawns the ranks itself and checks its input first."""
+    prefixes = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_", "TORCHELASTIC_", "SUBMITIT_")
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HPCNFT_LAUNCHER")
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes) and k not in names}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
 def test_run_refuses_emulated_hosts_without_a_gpu_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", "1", "--run-dir",
                         str(tmp_path / "run"), "--set", "layout.emulate_hosts=true"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=without_launcher())
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "hpcnft run: error: layout.emulate_hosts: lets NCCL ranks share a GPU; this job's backend is gloo on cpu"]
