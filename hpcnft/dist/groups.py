@@ -179,7 +179,8 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75) -> int:
+def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
+                command: tuple[str, ...] = (sys.executable, "-m", "hpcnft")) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0."""
@@ -189,7 +190,7 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    HPCNFT_LAUNCHER="local")
-        procs.append(subprocess.Popen([sys.executable, "-m", "hpcnft", *argv], env=env))
+        procs.append(subprocess.Popen([*command, *argv], env=env))
 
     def forward(signum, _frame):
         for p in procs:
@@ -200,15 +201,19 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     first_failure: tuple[int, int] | None = None
     deadline = None
     try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                code = p.poll()
+        while True:
+            # Every exit code is read in the same pass that decides the job is over: ranks that
+            # fail together (a full disk, a dead peer) may all end within one poll interval.
+            codes = [p.poll() for p in procs]
+            for rank, code in enumerate(codes):
                 if code not in (None, 0) and first_failure is None:
                     first_failure = (rank, code)
                     if code != preempted_code:
                         print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "
                               "stopping the other ranks", file=sys.stderr, flush=True)
                     deadline = time.monotonic() + grace_s
+            if all(code is not None for code in codes):
+                break
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:
                     if p.poll() is None:

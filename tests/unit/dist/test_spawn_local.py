@@ -1,0 +1,34 @@
+"""The local spawner's exit code: the first failed rank's, however close together the ranks end."""
+from __future__ import annotations
+
+import sys
+import time
+
+from hpcnft.dist.groups import spawn_local
+
+
+def role(rank):
+    return "reward" if rank == 2 else "train"
+
+
+def ranks(script):
+    return (sys.executable, "-c", script)
+
+
+def test_ranks_that_all_fail_at_once_fail_the_job(capfd):
+    # all three exit at the same instant, as ranks do on a full disk: almost surely between two
+    # of the spawner's polls
+    script = f"import os, time; time.sleep(max(0.0, {time.time() + 1.5} - time.time())); os._exit(3)"
+    assert spawn_local([], 3, role, command=ranks(script)) == 3
+    assert "failed: exit code 3; stopping the other ranks" in capfd.readouterr().err
+
+
+def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it():
+    script = ("import os, signal, sys, time; r = int(os.environ['RANK'])\n"
+              "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+              "time.sleep(2); sys.exit(1)")
+    assert spawn_local([], 3, role, command=ranks(script)) == 128 + 9
+
+
+def test_ranks_that_all_succeed_make_a_zero_exit():
+    assert spawn_local([], 3, role, command=ranks("import sys; sys.exit(0)")) == 0
