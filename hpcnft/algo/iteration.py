@@ -12,7 +12,8 @@ import torch.distributed as dist
 from hpcnft.algo import nft
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
-from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise, sample, sigma_grid
+from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise, sigma_grid
+from hpcnft.algo.solvers import sample
 from hpcnft.common.config import Config
 from hpcnft.dist.groups import Topology
 from hpcnft.dist.reward_service import EVAL, ROLLOUT

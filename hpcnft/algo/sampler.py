@@ -146,16 +146,6 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
 
 
 @torch.no_grad()
-def sample(solver: str, transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning,
-           guidance_scale: float, dtype: torch.dtype, autocast, integer_timesteps: bool = False) -> torch.Tensor:
-    """The final latent of the deterministic ODE sampler `solver` (rollout.solver): "euler" or "dpm2"."""
-    from hpcnft.algo.dpm_solver import dpm2_sample
-
-    fn = {"euler": euler_sample, "dpm2": dpm2_sample}[solver]
-    return fn(transformer, noise, sigmas, cond, guidance_scale, dtype, autocast, integer_timesteps)
-
-
-@torch.no_grad()
 def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round") -> torch.Tensor:
     """VAE decode of SD3 latents to uint8 images [B, H, W, 3] on the CPU."""
     z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
