@@ -367,7 +367,7 @@ def test_random_per_sample_law_is_k_of_t_uniform_in_random_order():
     assert len(subsets) == math.comb(T, 5)
 
 
-def test_random_per_sample_reaches_the_pairs(tmp_path):
+def test_random_per_sample_reaches_the_pairs():
     from hpcnft.algo.pairs import train_sigma_pairs
 
     cfg = load_config("tiny", ["nft.timestep_strategy=random_per_sample"])
