@@ -538,8 +538,9 @@ def fuzz(src: str, workdir: str, n: int, budget_s: float, seed: int = 0, plot_ev
 # ---------------------------------------------------------------------------------------------
 # checkpoints and run files made by hpcnft's own writers
 # ---------------------------------------------------------------------------------------------
-def tiny_policy(seed: int = 0, width: int = 32):
-    """A Linear layer dressed as hpcnft's Policy (trainable params, old-policy shadow) + AdamW."""
+def tiny_policy(seed: int = 0, width: int = 32, eval_ema: bool = False):
+    """A Linear layer dressed as hpcnft's Policy (trainable params, old-policy shadow, with
+    `eval_ema` an evaluation EMA) + AdamW."""
     import types
 
     import torch
@@ -549,7 +550,8 @@ def tiny_policy(seed: int = 0, width: int = 32):
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     policy = types.SimpleNamespace(transformer=model, trainable_names=names, trainable=params,
-                                   shadow=[p.detach().clone() for p in params])
+                                   shadow=[p.detach().clone() for p in params],
+                                   eval_shadow=[p.detach() * 0.5 for p in params] if eval_ema else None)
     opt = torch.optim.AdamW(params, lr=1e-3)
     model(torch.randn(2, width)).sum().backward()
     opt.step()

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from hpcnft.algo import nft
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
-from hpcnft.algo.sampler import (NoiseAhead, PromptEncoder, decode_to_uint8, euler_sample,
-                            initial_noise, sigma_grid)
+from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise, sigma_grid
+from hpcnft.algo.solvers import sample
 from hpcnft.common.config import Config
 from hpcnft.dist.groups import Topology
 from hpcnft.dist.reward_service import EVAL, ROLLOUT
@@ -76,11 +76,12 @@ class Learner:
         self.flops = count_dit_flops(policy, self.latent_shape, cond.prompt_embeds, cond.pooled)
 
     # -- rollout ---------------------------------------------------------------------------
-    def _generate(self, prompts: list[str], sigmas, noise) -> tuple[torch.Tensor, object]:
+    def _generate(self, prompts: list[str], sigmas, noise, solver: str) -> tuple[torch.Tensor, object]:
         cond = self.encoder(prompts)
         noise = noise.to(self.topo.device, non_blocking=noise.is_pinned())
-        x0 = euler_sample(self.policy.transformer, noise, sigmas, cond,
-                          self.cfg.rollout.guidance_scale, self.policy.compute_dtype, self.policy.autocast)
+        r = self.cfg.rollout
+        x0 = sample(solver, self.policy.transformer, noise, sigmas, cond, r.guidance_scale,
+                    self.policy.compute_dtype, self.policy.autocast, r.integer_timesteps)
         return x0, cond
 
     def rollout(self, step: int) -> Rollout:
@@ -95,7 +96,7 @@ class Learner:
             for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
                     x0, cond = self._generate(self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g),
-                                              self.sigmas, noise.result())
+                                              self.sigmas, noise.result(), cfg.rollout.solver)
                 with span("rollout/decode"):
                     images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
                 with span("rollout/reward_submit"):
@@ -142,6 +143,15 @@ class Learner:
         g = self.cfg.rollout.samples_per_prompt
         return torch.cat([p.cpu() for p in parts])[:n], [prompts[i // g] for i in indices]
 
+    def group_keys(self, step: int) -> list[str] | None:
+        """Each of the step's samples' prompt text under nft.group_by="prompt" (the advantages then
+        group by text); None groups by position."""
+        if self.cfg.nft.group_by != "prompt":
+            return None
+        r = self.cfg.rollout
+        return self.stream.for_samples(step, range(self.cfg.samples_per_step), r.prompts_per_step,
+                                       r.samples_per_prompt)
+
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
         from hpcnft.algo.pairs import PairBatch
@@ -153,8 +163,8 @@ class Learner:
             self.trainer.noise.prefetch(step, list(mine), self.latent_shape, pin=True)
         ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
-        adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator)
-        r = nft.optimality_r(adv, cfg.nft.adv_clip_max)
+        adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator, self.group_keys(step))
+        r = nft.optimality_r(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)
         k = nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction)
         batch = PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
                           list(mine), cfg.samples_per_step * k)
@@ -164,6 +174,8 @@ class Learner:
         decay = nft.ema_decay(step, cfg.ema.ramp, cfg.ema.max, cfg.ema.flat_steps, cfg.ema.flat_decay)
         with span("train/ema"):
             self.policy.ema_update(decay)
+            if cfg.eval.policy == "ema":
+                self.policy.eval_ema_update(nft.eval_ema_decay(step, cfg.eval.ema_decay))
         t_end = time.perf_counter()
         metrics.update({f"rollout/reward/{k}": v for k, v in nft.reward_stats(rewards).items()})
         metrics["ema/decay"] = decay
@@ -186,12 +198,12 @@ class Learner:
         n = cfg.eval.num_prompts or len(self.eval_prompts)
         n = min(n, len(self.eval_prompts))
         pending = []  # (prompt ids, request)
-        with self.policy.old_weights():
+        with self.policy.eval_weights():
             for chunk in eval_chunks(n, self.topo, cfg.rollout.batch_size):
                 real = [i for i in chunk if i >= 0]
                 ids = [i if i >= 0 else 0 for i in chunk]
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
-                x0, _ = self._generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise)
+                x0, _ = self._generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding)
                     pending.append((real, self.client.submit(EVAL, 0, images, real)))

@@ -13,20 +13,52 @@ WEIGHT_FLOOR = 1e-5
 STD_EPS = 1e-4
 
 
-def advantages(rewards: torch.Tensor, group_size: int, std_estimator: str = "unbiased") -> torch.Tensor:
+def advantages(rewards: torch.Tensor, group_size: int, std_estimator: str = "unbiased",
+               prompts: list[str] | None = None) -> torch.Tensor:
     """A_i = (R_i - mean of its prompt group) / (std over all N rewards + 1e-4).
 
-    Rewards are ordered by global sample index, so consecutive `group_size` entries share a prompt.
-    "unbiased" divides by N-1 (miles), "population" by N (official)."""
+    Rewards are ordered by global sample index, so consecutive `group_size` entries share a prompt
+    (nft.group_by="position"). Given `prompts` (each sample's text; nft.group_by="prompt", as the
+    official stat tracker), a group is every sample of one text, so a prompt a step holds twice
+    forms one group. "unbiased" divides by N-1 (miles), "population" by N (official)."""
     r = rewards.to(torch.float64)
-    group_mean = r.view(-1, group_size).mean(dim=1, keepdim=True)
     std = r.std(unbiased=(std_estimator == "unbiased"))
-    return ((r.view(-1, group_size) - group_mean) / (std + STD_EPS)).reshape(-1)
+    if prompts is None:
+        group_mean = r.view(-1, group_size).mean(dim=1, keepdim=True)
+        return ((r.view(-1, group_size) - group_mean) / (std + STD_EPS)).reshape(-1)
+    if len(prompts) != r.numel():
+        raise ValueError(f"advantages: {len(prompts)} prompts for {r.numel()} rewards")
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p, []).append(i)
+    out = torch.empty_like(r)
+    for members in groups.values():
+        index = torch.tensor(members)
+        out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
+    return out
 
 
-def optimality_r(adv: torch.Tensor, clip_max: float) -> torch.Tensor:
-    """r = clamp(clamp(A, -C, C) / C / 2 + 1/2, 0, 1): A=-C -> 0, A=0 -> 0.5, A=+C -> 1."""
-    return (adv.clamp(-clip_max, clip_max) / clip_max / 2 + 0.5).clamp(0.0, 1.0)
+ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
+
+
+def optimality_r(adv: torch.Tensor, clip_max: float, mode: str = "all") -> torch.Tensor:
+    """r = clamp(a / C / 2 + 1/2, 0, 1) with a = clamp(A, -C, C): A=-C -> 0, A=0 -> 0.5, A=+C -> 1.
+
+    `mode` (nft.adv_mode, the official variants) reshapes the clipped a first: "positive_only"
+    keeps a >= 0 (the rest 0), "negative_only" a <= 0, "one_only" is 1 where a > 0 and 0 elsewhere,
+    "binary" the sign of a."""
+    a = adv.clamp(-clip_max, clip_max)
+    if mode == "positive_only":
+        a = a.clamp(0, clip_max)
+    elif mode == "negative_only":
+        a = a.clamp(-clip_max, 0)
+    elif mode == "one_only":
+        a = torch.where(a > 0, torch.ones_like(a), torch.zeros_like(a))
+    elif mode == "binary":
+        a = torch.sign(a)
+    elif mode != "all":
+        raise ValueError(f"nft.adv_mode: {mode!r} is not one of {', '.join(ADV_MODES)}")
+    return (a / clip_max / 2 + 0.5).clamp(0.0, 1.0)
 
 
 def num_trained_sigmas(num_steps: int, fraction: float) -> int:
@@ -38,10 +70,12 @@ def trained_sigma_indices(num_steps: int, fraction: float, strategy: str, shuffl
     """Which rollout-grid sigmas (indices into the grid without its terminal 0) a sample trains on.
 
     "first": the first K of the grid (sigma_0..sigma_{K-1}; miles), order permuted per sample when
-    `shuffle`. "drop_random": the first K of a per-sample permutation of all steps (official)."""
+    `shuffle`. "random_per_sample" (or its older name "drop_random"): the first K of a per-sample
+    permutation of all T steps, i.e. K of the T drawn without replacement, in random order
+    (official: torch.randperm(T) per sample, the first K trained)."""
     k = num_trained_sigmas(num_steps, fraction)
     g = torch.Generator().manual_seed(stable_hash("nft_sigma_shuffle", seed, sample_index))
-    if strategy == "drop_random":
+    if strategy in ("random_per_sample", "drop_random"):
         return torch.randperm(num_steps, generator=g)[:k].tolist()
     if not shuffle:
         return list(range(k))
@@ -54,9 +88,13 @@ def corrupt(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch
     return (1 - s) * x0.to(torch.float32) + s * noise.to(torch.float32)
 
 
-def dit_timestep(sigma: torch.Tensor) -> torch.Tensor:
-    """SD3's DiT embeds time on the 0-1000 scale: tau = 1000 sigma (float, never truncated)."""
-    return sigma.to(torch.float32) * 1000.0
+def dit_timestep(sigma: torch.Tensor, integer: bool = False) -> torch.Tensor:
+    """SD3's DiT embeds time on the 0-1000 scale: tau = 1000 sigma in float32. With `integer`
+    (rollout.integer_timesteps) tau is truncated toward zero, as the official pipeline's
+    torch.full(..., sigma * 1000, dtype=long); kept as a float tensor, which the DiT's sinusoidal
+    embedding casts to anyway, so the embedding sees the same values."""
+    tau = sigma.to(torch.float32) * 1000.0
+    return torch.trunc(tau) if integer else tau
 
 
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float):
@@ -107,6 +145,12 @@ def ema_decay(k: int, ramp: float, max_decay: float, flat_steps: int = 0, flat_d
     if k <= flat_steps:
         return flat_decay
     return min(ramp * (k - flat_steps), max_decay)
+
+
+def eval_ema_decay(k: int, max_decay: float) -> float:
+    """Decay of the evaluation EMA after optimizer step k (1-based): min((1 + k) / (10 + k), max),
+    the official EMAModuleWrapper's warm-up."""
+    return min((1 + k) / (10 + k), max_decay)
 
 
 def reward_stats(rewards: torch.Tensor) -> dict[str, float]:

@@ -43,6 +43,9 @@ class Policy:
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
         self.trainable_names = [n for n, p in self.transformer.named_parameters() if p.requires_grad]
         self.shadow = [local_shard(p).detach().clone() for p in self.trainable]
+        # eval.policy="ema": a second EMA of theta that only the evaluation uses (official recipe)
+        self.eval_shadow = ([local_shard(p).detach().clone() for p in self.trainable]
+                            if cfg.eval.policy == "ema" else None)
 
     def _prepare(self, mesh) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -78,13 +81,21 @@ class Policy:
         fully_shard(tr, mesh=mesh)
 
     # -- old policy ----------------------------------------------------------------------
-    @contextlib.contextmanager
     def old_weights(self, fp8_gemms: str | None = None):
         """Temporarily put pi_old's weights into the live parameters. With `fp8_gemms` (the name
         of the lever that asks for it) the blocks' GEMMs multiply in fp8 (perf.fp8)."""
+        return self._swapped_in(self.shadow, fp8_gemms)
+
+    def eval_weights(self):
+        """The weights the evaluation samples with: pi_old (eval.policy="old") or the evaluation
+        EMA of theta (eval.policy="ema")."""
+        return self._swapped_in(self.eval_shadow if self.eval_shadow is not None else self.shadow, None)
+
+    @contextlib.contextmanager
+    def _swapped_in(self, weights: list[torch.Tensor], fp8_gemms: str | None):
         with torch.no_grad():
             live = [local_shard(p).detach().clone() for p in self.trainable]
-            for p, s in zip(self.trainable, self.shadow):
+            for p, s in zip(self.trainable, weights):
                 local_shard(p).copy_(s)
         try:
             with levers.nograd_weights(self):  # perf.merge_lora_nograd, perf.fuse_qkv (no-grad uses only)
@@ -117,6 +128,13 @@ class Policy:
         """theta_old <- decay * theta_old + (1 - decay) * theta."""
         for s, p in zip(self.shadow, self.trainable):
             s.mul_(decay).add_(local_shard(p).detach(), alpha=1.0 - decay)
+
+    @torch.no_grad()
+    def eval_ema_update(self, decay: float) -> None:
+        """theta_eval <- theta_eval + (1 - decay) (theta - theta_eval), the official EMA's update."""
+        one_minus_decay = 1 - decay
+        for e, p in zip(self.eval_shadow, self.trainable):
+            e.add_(one_minus_decay * (local_shard(p).detach() - e))
 
     def autocast(self):
         if self.compute_dtype == torch.float32:

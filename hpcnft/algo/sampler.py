@@ -108,33 +108,39 @@ def truncated_prompts(pipe, prompts: list[str], max_sequence_length: int) -> tup
 
 
 def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
-             pooled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma."""
-    return transformer(hidden_states=x.to(dtype), timestep=dit_timestep(sigma),
+             pooled: torch.Tensor, dtype: torch.dtype, integer_timesteps: bool = False) -> torch.Tensor:
+    """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma (truncated
+    with `integer_timesteps`)."""
+    return transformer(hidden_states=x.to(dtype), timestep=dit_timestep(sigma, integer_timesteps),
                        encoder_hidden_states=prompt_embeds.to(dtype), pooled_projections=pooled.to(dtype),
                        return_dict=False)[0]
 
 
+def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float,
+                    dtype: torch.dtype, autocast, integer_timesteps: bool = False) -> torch.Tensor:
+    """The sampler's velocity at one step (sigma a 0-dim tensor), with CFG when guidance_scale > 1;
+    float32."""
+    b = x.shape[0]
+    s = sigma.expand(b)
+    with autocast():
+        if guidance_scale > 1.0:
+            v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
+                             torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
+                             torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
+            v_neg, v_pos = v_all.float().chunk(2)
+            return v_neg + guidance_scale * (v_pos - v_neg)
+        return velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps).float()
+
+
 @torch.no_grad()
 def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: Conditioning,
-                 guidance_scale: float, dtype: torch.dtype, autocast) -> torch.Tensor:
+                 guidance_scale: float, dtype: torch.dtype, autocast, integer_timesteps: bool = False) -> torch.Tensor:
     """Deterministic Euler ODE x_{k+1} = x_k + (sigma_{k+1} - sigma_k) v(x_k, sigma_k); returns x0
     (the final latent, before VAE un-scaling), float32."""
     x = noise
-    b = x.shape[0]
-    use_cfg = guidance_scale > 1.0
     sigmas = sigmas.to(x.device)  # once: a host-to-device copy per step would wait for the GPU each time
     for k in range(len(sigmas) - 1):
-        s = sigmas[k].expand(b)
-        with autocast():
-            if use_cfg:
-                v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
-                                 torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
-                                 torch.cat([cond.neg_pooled, cond.pooled]), dtype)
-                v_neg, v_pos = v_all.float().chunk(2)
-                v = v_neg + guidance_scale * (v_pos - v_neg)
-            else:
-                v = velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype).float()
+        v = guided_velocity(transformer, x, sigmas[k], cond, guidance_scale, dtype, autocast, integer_timesteps)
         x = x + (sigmas[k + 1] - sigmas[k]) * v
     return x
 

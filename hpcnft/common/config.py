@@ -47,6 +47,10 @@ class RolloutConfig:
     batch_size: int = 8  # samples per DiT forward; also the chunk sent to the reward rank
     seed: int = 42
     uint8_rounding: str = "round"  # "round" (official) or "truncate" (miles)
+    solver: str = "euler"  # "euler" (miles) or "dpm2": DPM-Solver++ 2M, deterministic (official)
+    # The DiT's timestep input while sampling (rollout and evaluation): long(1000 sigma), the
+    # official pipeline's, instead of the float 1000 sigma. Training forwards keep the float.
+    integer_timesteps: bool = False
 
 
 @dataclass
@@ -61,11 +65,17 @@ class NFTConfig:
     beta: float = 1.0
     adv_clip_max: float = 5.0
     timestep_fraction: float = 0.99
-    timestep_strategy: str = "first"  # "first" K sigmas (miles) or "drop_random" (official)
+    # "first" K sigmas (miles) or "random_per_sample": K of the T drawn per sample (official;
+    # "drop_random" is its older name, the same draws)
+    timestep_strategy: str = "first"
     shuffle_timesteps: bool = True
     adaptive_weight: bool = True
     std_estimator: str = "unbiased"  # "unbiased" (miles, N-1) or "population" (official, N)
     kl_beta: float = 0.0  # official: 1e-4 against the frozen base model
+    group_by: str = "position"  # advantage groups: "position" (G consecutive samples) or "prompt" (its text)
+    # "all" (miles), or the official variants applied to the clipped advantage: "positive_only",
+    # "negative_only", "one_only" (1 where A > 0, else 0), "binary" (sign of A)
+    adv_mode: str = "all"
 
 
 @dataclass
@@ -110,6 +120,8 @@ class EvalConfig:
     seed: int = 42
     at_end: bool = True
     at_start: bool = False
+    policy: str = "old"  # evaluate "old" (pi_old, the rollout policy) or "ema": a separate EMA of theta (official)
+    ema_decay: float = 0.9  # eval.policy="ema": decay min((1 + k) / (10 + k), ema_decay) after optimizer step k
 
 
 @dataclass

@@ -9,7 +9,11 @@ from hpcnft.common.errors import ConfigError
 CHOICES = {
     "train.finetune": ("lora", "full"),
     "train.precision": ("fp32", "fp16", "bf16"),
-    "nft.timestep_strategy": ("first", "drop_random"),
+    "nft.timestep_strategy": ("first", "random_per_sample", "drop_random"),
+    "nft.group_by": ("position", "prompt"),
+    "nft.adv_mode": ("all", "positive_only", "negative_only", "one_only", "binary"),
+    "rollout.solver": ("euler", "dpm2"),
+    "eval.policy": ("old", "ema"),
     "nft.std_estimator": ("unbiased", "population"),
     "layout.backend": ("auto", "gloo", "nccl"),
     "layout.device": ("auto", "cpu", "cuda"),
@@ -32,7 +36,7 @@ MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
 # service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
 AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
 MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
-UNIT_INTERVAL = {"nft.timestep_fraction", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
+UNIT_INTERVAL = {"nft.timestep_fraction", "eval.ema_decay", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:

@@ -2,8 +2,8 @@
 
 RUN_DIR/checkpoints/step_000020/
     .metadata, __*_*.distcp   DCP shards of every train rank: trained params, the old policy
-                              (EMA shadow) and the optimizer, resharded on load if the number
-                              of train ranks changed
+                              (EMA shadow), the evaluation EMA (eval.policy="ema") and the
+                              optimizer, resharded on load if the number of train ranks changed
     trainer_state.json        step, prompt cursor, loss scaler
     config.json               the resolved config the run was started with
     rng/rank_<r>.bin          every rank's global RNG states (the reward rank writes its own)
@@ -243,10 +243,11 @@ class TrainState:
     scaler: dict
 
 
-def _shadow_state(policy) -> dict[str, torch.Tensor]:
-    """The old-policy shadow as DTensors laid out like the live parameters."""
+def _shadow_state(policy, shadow: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A shadow of the trained parameters (the old policy, the evaluation EMA) as DTensors laid
+    out like the live parameters."""
     out = {}
-    for name, p, s in zip(policy.trainable_names, policy.trainable, policy.shadow):
+    for name, p, s in zip(policy.trainable_names, policy.trainable, shadow):
         out[name] = (DTensor.from_local(s, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
                      if isinstance(p, DTensor) else s)
     return out
@@ -254,9 +255,12 @@ def _shadow_state(policy) -> dict[str, torch.Tensor]:
 
 def _state(policy, optimizer) -> dict:
     model = policy.transformer
-    return {"model": get_model_state_dict(model, options=MODEL_OPTIONS),
-            "old_policy": _shadow_state(policy),
-            "optim": get_optimizer_state_dict(model, optimizer, options=MODEL_OPTIONS)}
+    state = {"model": get_model_state_dict(model, options=MODEL_OPTIONS),
+             "old_policy": _shadow_state(policy, policy.shadow),
+             "optim": get_optimizer_state_dict(model, optimizer, options=MODEL_OPTIONS)}
+    if policy.eval_shadow is not None:  # eval.policy="ema" (a config key a resume cannot change)
+        state["eval_ema"] = _shadow_state(policy, policy.eval_shadow)
+    return state
 
 
 def save(run_dir: str, step: int, policy, optimizer, train_group, is_writer: bool, rank: int,
@@ -338,8 +342,9 @@ def load(path: str, policy, optimizer, train_group) -> TrainState:
                               f"unexpected {list(result.unexpected_keys)[:3]})")
     set_optimizer_state_dict(model, optimizer, state["optim"], options=MODEL_OPTIONS)
     with torch.no_grad():
-        for s, loaded in zip(policy.shadow, state["old_policy"].values()):
-            s.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+        for shadow, key in ((policy.shadow, "old_policy"), (policy.eval_shadow, "eval_ema")):
+            for s, loaded in zip(shadow or [], state.get(key, {}).values()):
+                s.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
     ts = read_json(path, "trainer_state.json")
     return TrainState(int(ts["step"]), dict(ts["scaler"]))
 

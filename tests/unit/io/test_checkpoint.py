@@ -48,6 +48,21 @@ def test_a_clean_checkpoint_passes_and_loads(ckpt):
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)  # non-tensor items come back (weights-only)
 
 
+def test_the_evaluation_ema_is_saved_and_loaded(tmp_path):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(os.path.join(run_dir, "checkpoints"))
+    policy, opt = tiny_policy(seed=4, eval_ema=True)
+    saved = [e.clone() for e in policy.eval_shadow]
+    checkpoint.save(run_dir, 1, policy, opt, None, True, 0, determinism.capture_rng_state())
+    path = checkpoint.commit(run_dir, 1, checkpoint.TrainState(1, {}), "{}", 2)
+    fresh, fresh_opt = tiny_policy(seed=4, eval_ema=True)
+    for e in fresh.eval_shadow:
+        e.zero_()
+    checkpoint.load(path, fresh, fresh_opt, None)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.eval_shadow, saved))
+    assert not all(torch.equal(a, b) for a, b in zip(fresh.eval_shadow, fresh.shadow))  # its own tensors
+
+
 def test_stock_dcp_runs_a_payload_planted_in_a_shard_item_but_hpcnft_never_does(ckpt, tmp_path):
     """DCP's DefaultLoadPlanner unpickles non-tensor items with weights_only=False: the control
     shows the planted payload is live; hpcnft's problems() and load() refuse it unexecuted."""
