@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
 from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, UsageError
 from hpcnft.dist import groups
 from hpcnft.dist.launch import LaunchInfo
 from hpcnft.dist.preempt import PreemptFlag
@@ -22,7 +22,7 @@ from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import default_run_dir, tiny_models_built
+from hpcnft.run.rundir import default_run_dir, lock_run_dir, tiny_models_built
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -33,6 +33,21 @@ def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
     dist.broadcast_object_list(choice, src=0)
     cfg.run_dir = choice[0]
     return cfg.run_dir
+
+
+def take_run_dir(cfg: Config, rank: int):
+    """Rank 0 becomes the run dir's owner before anything is written into it; every rank learns
+    the outcome, so a refused start ends on all ranks together. Returns (the lock on rank 0,
+    else None; the refusal line or None)."""
+    lock, refusal = None, None
+    if rank == 0:
+        try:
+            lock = lock_run_dir(cfg.run_dir, warn=print_err, inherited=True)
+        except UsageError as e:
+            refusal = str(e)
+    outcome = [refusal]
+    dist.broadcast_object_list(outcome, src=0)
+    return lock, outcome[0]
 
 
 def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
@@ -75,6 +90,20 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
         print_err(str(e))
         return EXIT_FAILED
     agree_run_dir(cfg, recipe, topo)
+    lock, refusal = take_run_dir(cfg, topo.rank)
+    if refusal:
+        if topo.rank == 0:
+            print_err(refusal)
+        groups.teardown()
+        return EXIT_BAD_INPUT
+    try:
+        return _run_role(cfg, topo, group, mesh, flag)
+    finally:
+        if lock:
+            lock.release()  # a clean exit clears the holder line; a killed owner leaves it
+
+
+def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
