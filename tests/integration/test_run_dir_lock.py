@@ -23,7 +23,8 @@ HOST = socket.gethostname()
 
 
 def refusal_prefix(run_dir: str, pid: int) -> str:
-    return f"hpcnft: run dir {run_dir} is in use by pid {pid} on host {HOST} since "
+    job = f" (Slurm job {os.environ['SLURM_JOB_ID']})" if os.environ.get("SLURM_JOB_ID") else ""
+    return f"hpcnft: run dir {run_dir} is in use by pid {pid} on host {HOST}{job} since "
 
 
 def assert_refused(stderr: str, run_dir: str, holder_pid: int) -> None:
