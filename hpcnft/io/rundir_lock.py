@@ -20,6 +20,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from typing import Callable
 
@@ -134,7 +135,7 @@ def acquire(run_dir: str, warn: Callable[[str], None], *, flock=fcntl.flock, env
     global _warned_unsupported
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, LOCK_NAME)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _open_regular(run_dir, path)
     try:
         me = this_process(env)
         try:
@@ -162,6 +163,22 @@ def acquire(run_dir: str, warn: Callable[[str], None], *, flock=fcntl.flock, env
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_regular(run_dir: str, path: str) -> int:
+    """The lock file, opened for reading and writing; a link, folder or FIFO in its place is
+    refused rather than followed or written to."""
+    not_a_file = UsageError(f"run dir {run_dir}: {LOCK_NAME} is not a regular file; remove it")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise not_a_file from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise not_a_file
+    return fd
 
 
 def _holder_once_named(fd: int, wait_s: float) -> Holder | None:

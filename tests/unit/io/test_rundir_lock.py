@@ -108,6 +108,19 @@ def test_a_lock_whose_owner_has_not_named_itself_yet_is_refused_without_a_name(t
         assert refused.value.holder is None
 
 
+@pytest.mark.parametrize("kind", ["symlink", "folder", "fifo"])
+def test_a_lock_path_that_is_not_a_regular_file_is_refused_untouched(tmp_path, kind):
+    from hpcnft.common.errors import UsageError
+
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    path = tmp_path / ".lock"
+    {"symlink": lambda: path.symlink_to(target), "folder": path.mkdir, "fifo": lambda: os.mkfifo(path)}[kind]()
+    with pytest.raises(UsageError, match=r"^run dir .*: \.lock is not a regular file; remove it$"):
+        acquire(str(tmp_path), pytest.fail)
+    assert target.read_text() == "keep"
+
+
 def no_flock(errno_):
     def flock(_fd, _op):
         raise OSError(errno_, os.strerror(errno_))

@@ -85,11 +85,11 @@ def test_a_run_dir_in_use_is_refused_with_exit_2(tmp_path, one_rank):
     assert line.startswith(f"run dir {run_dir} is in use by pid {os.getpid()} on host ")
 
 
-def test_a_lock_file_that_cannot_be_opened_is_bad_input(tmp_path, one_rank):
+def test_a_lock_file_that_is_not_a_file_is_bad_input(tmp_path, one_rank):
     os.makedirs(tmp_path / "run" / ".lock")
     lock, refusal, _ = take(str(tmp_path / "run"))
     assert lock is None
-    assert refusal == (2, f"run dir {str(tmp_path / 'run')!r}: cannot take its lock file: Is a directory")
+    assert refusal == (2, f"run dir {tmp_path / 'run'}: .lock is not a regular file; remove it")
 
 
 def test_a_taken_over_lock_is_noted_for_rank_0s_log(tmp_path, one_rank):
