@@ -40,7 +40,8 @@ def steps_written(run_dir: str) -> list[float]:
 
 def test_two_starts_together_one_runs_and_the_other_is_refused(tmp_path):
     run_dir = str(tmp_path / "run")
-    procs = [start("run", "tiny", "--steps", "2", "--run-dir", run_dir) for _ in range(2)]
+    procs = [start("run", "tiny", "--steps", "2", "--run-dir", run_dir, "--set", "eval.at_end=false")
+             for _ in range(2)]
     t0 = time.monotonic()
     while all(p.poll() is None for p in procs):
         assert time.monotonic() - t0 < 300, "neither start ended"
@@ -97,7 +98,7 @@ def test_the_lock_of_a_dead_owner_is_taken_over_with_a_warning(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     former = Holder(int(dead.stdout), HOST, "77", "2026-12-03T20:00:00Z")
     (run_dir / ".lock").write_text(former.to_text())
-    r = hpcnft("run", "tiny", "--steps", "1", "--run-dir", str(run_dir))
+    r = hpcnft("run", "tiny", "--steps", "1", "--run-dir", str(run_dir), "--set", "eval.at_end=false")
     warning = (f"hpcnft: warning: run dir {run_dir} was held by pid {former.pid} on host {HOST} (Slurm job 77) "
                "since 2026-12-03T20:00:00Z, which is gone; taking it over")
     assert warning in r.stderr.splitlines(), r.stderr
