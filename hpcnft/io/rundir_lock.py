@@ -191,6 +191,28 @@ def _holder_once_named(fd: int, wait_s: float) -> Holder | None:
         time.sleep(0.05)
 
 
+def check_free(run_dir: str) -> None:
+    """Raise RunDirInUse when a live process holds the run dir, without taking it: for a job
+    submitted now and started later, whose rank 0 takes the lock then. A moment's shared lock
+    is the probe; a file system without flock says nothing here."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return  # no lock file (or none that acquire would accept, which it then reports)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirInUse(run_dir, _holder_once_named(fd, 2.0)) from None
+        except OSError as e:
+            if e.errno not in FLOCK_UNSUPPORTED:
+                raise
+    finally:
+        os.close(fd)
+
+
 def adopt_inherited(run_dir: str, env=os.environ) -> RunDirLock | None:
     """The lock the local spawner holds and passed down (INHERITED_FD_ENV), when the descriptor
     is RUN_DIR/.lock; None otherwise."""

@@ -185,3 +185,19 @@ def subprocess_acquire(run_dir: str) -> None:
     if "RunDirInUse" in r.stderr:
         raise RunDirInUse(run_dir, None)
     assert r.returncode == 0, r.stderr
+
+
+def test_check_free_refuses_a_held_run_dir_and_leaves_a_free_one_as_it_is(tmp_path):
+    run_dir = str(tmp_path)
+    rundir_lock.check_free(str(tmp_path / "never-used"))  # no lock file: free
+    proc = owner_process(run_dir)
+    try:
+        with pytest.raises(RunDirInUse, match=f"in use by pid {proc.pid} "):
+            rundir_lock.check_free(run_dir)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = lock_text(run_dir)
+    rundir_lock.check_free(run_dir)  # the killed owner's line: free, and kept for the takeover warning
+    assert lock_text(run_dir) == left and parse_holder(left).pid == proc.pid
+    acquire(run_dir, [].append).release()  # the probe left no lock behind
