@@ -150,10 +150,11 @@ def acquire(run_dir: str, warn: Callable[[str], None], *, flock=fcntl.flock, env
                 _warned_unsupported = True
                 warn(unsupported_line(run_dir, e))
             locked = False
-        former = parse_holder(_read(fd))
+        left = _read(fd)
+        former = parse_holder(left)
         if not locked and former and former.host == me.host and former.pid != me.pid and _pid_alive(former.pid):
             raise RunDirInUse(run_dir, former)
-        if former or _read(fd).strip():
+        if left.strip():  # a line no clean exit cleared
             warn(takeover_line(run_dir, former, unverified=not locked and former is not None
                                and former.host != me.host))
         os.ftruncate(fd, 0)
