@@ -1,9 +1,9 @@
 """`hpcnft run` and `hpcnft make-tiny`.
 
-`run` checks its input once, up front (config, prompt files, model folders, run dir), so bad
-input is one line and exit 2 before any rank starts. With no launcher in the environment it
-spawns the layout's ranks as local processes; under torchrun, srun, mpirun or submitit it is
-one rank of the job.
+`run` checks its input once, up front (config, prompt files, model folders, run dir and its
+lock), so bad input or a run dir in use is one line and exit 2 before any rank starts. With no
+launcher in the environment it spawns the layout's ranks as local processes; under torchrun,
+srun, mpirun or submitit it is one rank of the job.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import os
 import time
 import sys
 
-from hpcnft.common.errors import UsageError
-from hpcnft.run.rundir import default_run_dir, preflight, tiny_models_built
+from hpcnft.common.errors import EXIT_BAD_INPUT, UsageError
+from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_built
 
 
 def add_arguments(name: str, p) -> None:
@@ -58,16 +58,33 @@ def start(args) -> int:
 
 
 def spawn(cfg, args) -> int:
-    """No launcher: check the input, build the tiny models once, then start the ranks."""
-    from hpcnft.dist import groups
+    """No launcher: check the input, take the run dir, build the tiny models once, then start the
+    ranks. This process holds the run dir's lock while the ranks run and hands it to rank 0, so
+    a second start is refused before it spawns anything."""
+    from hpcnft.io.rundir_lock import INHERITED_FD_ENV, RunDirInUse
 
     os.umask(int(cfg.umask, 8))  # run dirs and files: private to the user by default (077)
     cfg.run_dir = cfg.run_dir or default_run_dir(args.recipe)
-    preflight(cfg)
+    check_input(cfg)
     try:
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
     except OSError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e.strerror}") from None
+    try:
+        lock = lock_run_dir(cfg.run_dir, warn=lambda text: print(f"hpcnft: {text}", file=sys.stderr, flush=True))
+    except RunDirInUse as e:
+        print(f"hpcnft: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    try:
+        check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        return spawn_ranks(cfg, args, rank0_fd=(INHERITED_FD_ENV, lock.fd))
+    finally:
+        lock.release()
+
+
+def spawn_ranks(cfg, args, rank0_fd) -> int:
+    from hpcnft.dist import groups
+
     if (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
         from hpcnft.models.loading import resolve_model_paths
 
@@ -83,6 +100,6 @@ def spawn(cfg, args) -> int:
         argv += ["--steps", str(args.steps)]
     print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
           flush=True)
-    code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train")
+    code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd)
     sys.stdout.flush()
     return code

@@ -180,17 +180,24 @@ def describe_exit(code: int) -> str:
 
 
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
-                command: tuple[str, ...] = (sys.executable, "-m", "hpcnft")) -> int:
+                command: tuple[str, ...] = (sys.executable, "-m", "hpcnft"),
+                rank0_fd: tuple[str, int] | None = None) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
-    code of the first rank that failed (128+signal for a signal), else 0."""
+    code of the first rank that failed (128+signal for a signal), else 0. `rank0_fd`
+    (variable name, descriptor): an open file rank 0 inherits, its number in that variable."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    HPCNFT_LAUNCHER="local")
-        procs.append(subprocess.Popen([*command, *argv], env=env))
+        fds = ()
+        if rank0_fd:
+            env.pop(rank0_fd[0], None)
+        if rank == 0 and rank0_fd:
+            env[rank0_fd[0]], fds = str(rank0_fd[1]), (rank0_fd[1],)
+        procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
 
     def forward(signum, _frame):
         for p in procs:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
 from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, one_line
 from hpcnft.dist import groups
 from hpcnft.dist.launch import LaunchInfo
 from hpcnft.dist.preempt import PreemptFlag
@@ -22,7 +22,7 @@ from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import default_run_dir, tiny_models_built
+from hpcnft.run.rundir import default_run_dir, lock_run_dir, tiny_models_built
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -33,6 +33,27 @@ def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
     dist.broadcast_object_list(choice, src=0)
     cfg.run_dir = choice[0]
     return cfg.run_dir
+
+
+def take_run_dir(cfg: Config, rank: int, notes: list[str]):
+    """Rank 0 becomes the run dir's owner before anything is written into it; every rank learns
+    the outcome, so a refused start ends on all ranks together rather than leaving the others
+    waiting in a collective. Returns (the lock on rank 0, else None; None or (exit code, the
+    line rank 0 reports)). `notes` receives rank 0's warnings, for its log."""
+    lock, refusal = None, None
+    if rank == 0:
+        def warn(text: str) -> None:
+            print_err(text)
+            notes.append(text)
+        try:
+            lock = lock_run_dir(cfg.run_dir, warn=warn, inherited=True)
+        except UsageError as e:
+            refusal = (EXIT_BAD_INPUT, str(e))
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, not hang
+            refusal = (EXIT_FAILED, f"rank 0: cannot take run dir {cfg.run_dir}: {one_line(e)}")
+    outcome = [refusal]
+    dist.broadcast_object_list(outcome, src=0)
+    return lock, outcome[0]
 
 
 def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
@@ -75,9 +96,27 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
         print_err(str(e))
         return EXIT_FAILED
     agree_run_dir(cfg, recipe, topo)
+    notes: list[str] = []
+    lock, refusal = take_run_dir(cfg, topo.rank, notes)
+    if refusal:
+        code, line = refusal
+        if topo.rank == 0:
+            print_err(line)
+        groups.teardown()
+        return code
+    try:
+        return _run_role(cfg, topo, group, mesh, flag, notes)
+    finally:
+        if lock:
+            lock.release()  # a clean exit clears the holder line; a killed owner leaves it
+
+
+def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str]) -> int:
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
+    for text in notes:
+        log.warning(text)
     try:
         if cfg.samples_per_step % len(topo.train_ranks):
             raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "

@@ -1,6 +1,6 @@
 """The run dir and the input checks made once before any rank starts: its default name, that
-it can be written, that a run already in it may be resumed with this config, and that the
-prompt files and model folders are there."""
+it can be written, that no other run owns it, that a run already in it may be resumed with this
+config, and that the prompt files and model folders are there."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,13 @@ from hpcnft.common.errors import UsageError
 
 def preflight(cfg) -> None:
     """Bad input found before any rank starts: raise UsageError with one line."""
+    check_input(cfg)
+    check_existing_run(cfg)
+
+
+def check_input(cfg) -> None:
+    """preflight's checks that do not read the run dir's contents (a run that holds the run dir
+    may be writing them)."""
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
     from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder
 
@@ -28,8 +35,19 @@ def preflight(cfg) -> None:
     except (ModelError, PromptFileError) as e:
         raise UsageError(str(e)) from None
     check_run_dir(cfg.run_dir)
-    check_existing_run(cfg)
     check_backend(cfg)
+
+
+def lock_run_dir(run_dir: str, warn, inherited: bool = False):
+    """Make this process the run dir's owner (io.rundir_lock): returns the held lock; raises
+    RunDirInUse (a UsageError naming the holder) or UsageError when the lock cannot be opened.
+    `inherited`: rank 0 takes over the lock its local spawner passed down, if it did."""
+    from hpcnft.io import rundir_lock
+
+    try:
+        return rundir_lock.take(run_dir, warn) if inherited else rundir_lock.acquire(run_dir, warn)
+    except OSError as e:
+        raise UsageError(f"run dir {run_dir!r}: cannot take its lock file: {e.strerror or e}") from None
 
 
 def check_backend(cfg) -> None:

@@ -80,6 +80,7 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
     """Submit the job; returns the submitit Job. The run dir is fixed here, so every requeue
     of the job writes to (and resumes from) the same one."""
     from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.io.rundir_lock import check_free
     from hpcnft.run.rundir import default_run_dir, preflight
 
     overrides = list(overrides or [])
@@ -88,6 +89,10 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
         cfg = load_config(recipe, overrides, steps=steps, run_dir=run_dir)
     except ConfigError as e:
         raise UsageError(str(e)) from None
+    try:
+        check_free(run_dir)  # a run dir in use is refused now, not when the job starts
+    except OSError as e:
+        raise UsageError(f"run dir {run_dir!r}: cannot read its lock file: {e.strerror or e}") from None
     preflight(cfg)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     folder = folder or os.path.join(run_dir, "submitit")

@@ -32,3 +32,15 @@ def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it():
 
 def test_ranks_that_all_succeed_make_a_zero_exit():
     assert spawn_local([], 3, role, command=ranks("import sys; sys.exit(0)")) == 0
+
+
+def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path):
+    # the run dir's lock: rank 0 reads the inherited file through the number in the variable;
+    # the other ranks get neither the variable nor the descriptor
+    path = tmp_path / "shared"
+    path.write_text("held")
+    script = ("import os, sys; r = int(os.environ['RANK']); v = os.environ.get('LOCK_FD')\n"
+              "if r == 0: sys.exit(0 if os.pread(int(v), 4, 0) == b'held' else 5)\n"
+              "sys.exit(0 if v is None else 6)")
+    with open(path, "rb") as f:
+        assert spawn_local([], 3, role, command=ranks(script), rank0_fd=("LOCK_FD", f.fileno())) == 0
