@@ -154,7 +154,9 @@ def acquire(run_dir: str, warn: Callable[[str], None], *, flock=fcntl.flock, env
         former = parse_holder(left)
         if not locked and former and former.host == me.host and former.pid != me.pid and _pid_alive(former.pid):
             raise RunDirInUse(run_dir, former)
-        if left.strip():  # a line no clean exit cleared
+        requeued = locked and former is not None and former.slurm_job_id != "" and \
+            former.slurm_job_id == me.slurm_job_id  # this job's earlier start, ended by its requeue
+        if left.strip() and not requeued:  # a line no clean exit cleared
             warn(takeover_line(run_dir, former, unverified=not locked and former is not None
                                and former.host != me.host))
         os.ftruncate(fd, 0)

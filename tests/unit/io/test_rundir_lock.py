@@ -91,6 +91,18 @@ def test_the_lock_of_a_killed_owner_is_taken_over_with_a_warning(tmp_path):
     lock.release()
 
 
+def test_a_requeued_slurm_job_takes_its_own_earlier_lock_over_quietly(tmp_path):
+    # Slurm kills a requeued job's processes before they clear their line: no news to the user
+    dead = Holder(pid=2 ** 22 + 1, host=socket.gethostname(), slurm_job_id="4242", since="2026-12-03T21:00:00Z")
+    (tmp_path / ".lock").write_text(dead.to_text())
+    warnings = []
+    acquire(str(tmp_path), warnings.append, env={"SLURM_JOB_ID": "4242"}).release()
+    assert warnings == []
+    (tmp_path / ".lock").write_text(dead.to_text())
+    acquire(str(tmp_path), warnings.append, env={"SLURM_JOB_ID": "4243"}).release()
+    assert len(warnings) == 1 and "(Slurm job 4242)" in warnings[0] and warnings[0].endswith("taking it over")
+
+
 def test_an_unreadable_leftover_is_taken_over_with_a_warning(tmp_path):
     (tmp_path / ".lock").write_text("\x00\x01 half a line")
     warnings = []
