@@ -227,6 +227,17 @@ class RunFileWriter:
         return dropped
 
     @_writes
+    def rows_at(self, step: int) -> dict[str, float]:
+        """{key: value} of every metric with a row at `step`."""
+        out = {}
+        for key in ALL_KEYS:
+            rows = self._f[f"metrics/{key}"][()]
+            at = rows[rows[:, 0] == step] if rows.shape[0] else rows
+            if at.shape[0]:
+                out[key] = float(at[-1, 1])
+        return out
+
+    @_writes
     def last_step(self) -> int:
         ds = self._f["metrics/train/nft_loss"]
         return int(ds[-1, 0]) if ds.shape[0] else 0

@@ -27,9 +27,20 @@ def preflight(cfg) -> None:
                          PROCESSOR_REQUIRED)
     except (ModelError, PromptFileError) as e:
         raise UsageError(str(e)) from None
+    check_trackers(cfg)
     check_run_dir(cfg.run_dir)
     check_existing_run(cfg)
     check_backend(cfg)
+
+
+def check_trackers(cfg) -> None:
+    """Every tracker of logging.trackers has its package installed."""
+    from hpcnft.io.trackers import missing_package
+
+    for name in cfg.logging.trackers:
+        problem = missing_package(name)
+        if problem:
+            raise UsageError(problem)
 
 
 def check_backend(cfg) -> None:

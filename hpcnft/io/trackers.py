@@ -1,0 +1,200 @@
+"""Live trackers: rank 0 hands every metrics row and every sample grid to TensorBoard and/or
+Weights & Biases as the run writes them to run.h5 (`logging.trackers`).
+
+run.h5 is the record; a tracker is a view of it. Each tracker continues its curves across
+resumes without showing a step twice, and a tracker that fails is dropped with one warning
+instead of stopping the training (`TrackerGroup`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+from typing import Callable, Mapping, Protocol
+
+import numpy as np
+
+# name -> (the module it imports, the pip extra that installs it)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard
+WANDB_STATE = "hpcnft-wandb.json"  # RUN_DIR/wandb/: the wandb run id and the last step logged to it
+
+
+def missing_package(name: str) -> str | None:
+    """One line saying what to install when tracker `name`'s package is absent, else None."""
+    module, extra = PACKAGES[name]
+    if importlib.util.find_spec(module) is None:
+        return (f"logging.trackers: {name!r} needs the {module} package, which is not installed "
+                f"(pip install 'hpcnft[{extra}]')")
+    return None
+
+
+class Tracker(Protocol):
+    name: str
+    where: str  # what the user opens, for the start's terminal line
+
+    def log_row(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _as_array(image: str | np.ndarray) -> np.ndarray:
+    """An image file or an (H, W, 3) uint8 array -> the array."""
+    if isinstance(image, np.ndarray):
+        return image
+    from PIL import Image
+
+    with Image.open(image) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+class TensorBoardTracker:
+    """Event files in RUN_DIR/tensorboard. A start whose first row is step k writes TensorBoard's
+    purge marker at k (SummaryWriter's purge_step): readers then drop whatever earlier starts
+    logged from step k on (rows of steps run again after a resume), so each step shows once."""
+
+    name = "tensorboard"
+
+    def __init__(self, run_dir: str, first_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir = os.path.join(run_dir, TENSORBOARD_DIR)
+        self._writer = SummaryWriter(self.logdir, purge_step=first_step, filename_suffix=".hpcnft")
+        self.where = f"tensorboard --logdir {self.logdir}"
+
+    def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, float(value), step)
+        self._writer.flush()  # live: the row is on disk before the next step starts
+
+    def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
+        self._writer.add_image(tag, _as_array(image), step, dataformats="HWC")
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def wandb_mode(environ: Mapping[str, str]) -> str | None:
+    """The mode to ask wandb for: None (wandb's own choice) when the user configured wandb
+    through WANDB_MODE or WANDB_API_KEY, else "offline" (nothing leaves the machine)."""
+    return None if environ.get("WANDB_MODE") or environ.get("WANDB_API_KEY") else "offline"
+
+
+class WandbTracker:
+    """A wandb run in RUN_DIR/wandb (offline unless the user configured wandb). Its id is kept in
+    RUN_DIR/wandb/hpcnft-wandb.json with the last step logged, so a resumed run continues the same
+    wandb run (resume="allow") and never logs a step it already has: wandb's step only grows."""
+
+    name = "wandb"
+
+    def __init__(self, run_dir: str, config: Mapping[str, object], environ: Mapping[str, str] = os.environ):
+        import wandb
+
+        self._wandb = wandb
+        self.state_path = os.path.join(run_dir, "wandb", WANDB_STATE)
+        os.makedirs(os.path.dirname(self.state_path), mode=0o700, exist_ok=True)
+        state = self._read_state()
+        self.run_id = state.get("id") or secrets.token_hex(8)
+        self.logged_through = int(state.get("last_step", -1))  # steps up to here are in the wandb run already
+        self._write_state(self.logged_through)
+        self.run = wandb.init(
+            dir=run_dir, id=self.run_id, resume="allow", mode=wandb_mode(environ),
+            project=environ.get("WANDB_PROJECT") or "hpcnft",
+            name=os.path.basename(os.path.abspath(run_dir)), config=dict(config),
+            # hpcnft owns the terminal: no console capture, no banner
+            settings=wandb.Settings(console="off", silent=True))
+        self.where = f"wandb run {self.run_id} ({self.run.settings.mode}) in {os.path.dirname(self.state_path)}"
+
+    def _read_state(self) -> dict:
+        try:
+            with open(self.state_path, encoding="utf-8") as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise OSError(f"{self.state_path}: unreadable ({e})") from None
+        return state if isinstance(state, dict) else {}
+
+    def _write_state(self, last_step: int) -> None:
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"id": self.run_id, "last_step": last_step}, f)
+        os.replace(tmp, self.state_path)
+
+    def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
+        if step <= self.logged_through:
+            return
+        self.run.log({k: float(v) for k, v in metrics.items()}, step=step)
+        self._write_state(step)
+
+    def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
+        if step <= self.logged_through:
+            return
+        self.run.log({tag: self._wandb.Image(_as_array(image))}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_tracker(name: str, run_dir: str, first_step: int, config: Mapping[str, object]) -> Tracker:
+    """Tracker `name` for a start whose first row is `first_step` (the resume step + 1, the resume
+    step when its rows are written again, 0 for a fresh start)."""
+    if name == "tensorboard":
+        return TensorBoardTracker(run_dir, first_step)
+    if name == "wandb":
+        return WandbTracker(run_dir, config)
+    raise ValueError(f"unknown tracker {name!r}")
+
+
+class TrackerGroup:
+    """The run's trackers behind one call each. A tracker that raises (disk full, network, a bug
+    of its library) is warned about once and left out from then on: the run goes on, run.h5
+    holds every row."""
+
+    def __init__(self, trackers: list[Tracker], warn: Callable[[str], None]):
+        self.trackers, self.warn = list(trackers), warn
+
+    @classmethod
+    def open(cls, names: list[str], run_dir: str, first_step: int, config: Mapping[str, object],
+             warn: Callable[[str], None], opener=open_tracker) -> "TrackerGroup":
+        group = cls([], warn)
+        for name in names:
+            try:
+                group.trackers.append(opener(name, run_dir, first_step, config))
+            except Exception as e:  # noqa: BLE001 - a tracker never stops the run
+                group._failed(name, f"cannot start ({_reason(e)})")
+        return group
+
+    def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as e:  # noqa: BLE001 - a tracker never stops the run
+                self.trackers.remove(tracker)
+                self._failed(tracker.name, f"failed {what} ({_reason(e)})")
+                try:
+                    tracker.close()
+                except Exception:  # noqa: BLE001 - already reported
+                    pass
+
+    def _failed(self, name: str, what: str) -> None:
+        self.warn(f"tracker {name} {what}; it is off for the rest of this start (run.h5 keeps every row)")
+
+    def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._each(f"at step {step}", lambda t: t.log_row(step, metrics))
+
+    def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
+        self._each(f"at step {step}", lambda t: t.log_image(step, tag, image))
+
+    def close(self) -> None:
+        self._each("when closing", lambda t: t.close())
+        self.trackers.clear()
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
