@@ -227,15 +227,14 @@ class RunFileWriter:
         return dropped
 
     @_writes
-    def rows_at(self, step: int) -> dict[str, float]:
-        """{key: value} of every metric with a row at `step`."""
-        out = {}
+    def rows_between(self, after: int, through: int) -> dict[int, dict[str, float]]:
+        """{step: {key: value}} of the rows with after < step <= through."""
+        out: dict[int, dict[str, float]] = {}
         for key in ALL_KEYS:
-            rows = self._f[f"metrics/{key}"][()]
-            at = rows[rows[:, 0] == step] if rows.shape[0] else rows
-            if at.shape[0]:
-                out[key] = float(at[-1, 1])
-        return out
+            for step, value in self._f[f"metrics/{key}"][()].tolist():
+                if after < step <= through:
+                    out.setdefault(int(step), {})[key] = value
+        return dict(sorted(out.items()))
 
     @_writes
     def last_step(self) -> int:

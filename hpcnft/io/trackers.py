@@ -1,8 +1,11 @@
 """Live trackers: rank 0 hands every metrics row and every sample grid to TensorBoard and/or
 Weights & Biases as the run writes them to run.h5 (`logging.trackers`).
 
-run.h5 is the record; a tracker is a view of it. Each tracker continues its curves across
-resumes without showing a step twice, and a tracker that fails is dropped with one warning
+run.h5 is the record; a tracker is a view of it. At a start each tracker says up to which step
+it already holds the run (`shown_through`); the job hands it run.h5's rows after that step up to
+the resume step (`TrackerGroup.backfill`), then the new rows as they come. So a tracker continues
+its curves across resumes without showing a step twice, fills in what a killed start lost, and
+can be added to a run that is under way. A tracker that fails is dropped with one warning
 instead of stopping the training (`TrackerGroup`).
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ def missing_package(name: str) -> str | None:
 class Tracker(Protocol):
     name: str
     where: str  # what the user opens, for the start's terminal line
+    shown_through: int  # the last step of the run it already holds (-1: none)
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
@@ -52,17 +56,21 @@ def _as_array(image: str | np.ndarray) -> np.ndarray:
 
 
 class TensorBoardTracker:
-    """Event files in RUN_DIR/tensorboard. A start whose first row is step k writes TensorBoard's
-    purge marker at k (SummaryWriter's purge_step): readers then drop whatever earlier starts
-    logged from step k on (rows of steps run again after a resume), so each step shows once."""
+    """Event files in RUN_DIR/tensorboard, flushed at every row. A start writes TensorBoard's
+    purge marker at the first step it logs (SummaryWriter's purge_step): readers then drop
+    whatever earlier starts logged from that step on (rows of steps run again after a resume),
+    so each step shows once. `kept_through`: the last step whose rows earlier starts wrote as
+    run.h5 still holds them (the resume step, or one less where that step's rows were dropped)."""
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: str, first_step: int):
+    def __init__(self, run_dir: str, kept_through: int):
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = os.path.join(run_dir, TENSORBOARD_DIR)
-        self._writer = SummaryWriter(self.logdir, purge_step=first_step, filename_suffix=".hpcnft")
+        earlier = os.path.isdir(self.logdir) and any(".tfevents." in n for n in os.listdir(self.logdir))
+        self.shown_through = kept_through if earlier else -1  # a new logdir gets the whole run
+        self._writer = SummaryWriter(self.logdir, purge_step=self.shown_through + 1, filename_suffix=".hpcnft")
         self.where = f"tensorboard --logdir {self.logdir}"
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -86,8 +94,11 @@ def wandb_mode(environ: Mapping[str, str]) -> str | None:
 
 class WandbTracker:
     """A wandb run in RUN_DIR/wandb (offline unless the user configured wandb). Its id is kept in
-    RUN_DIR/wandb/hpcnft-wandb.json with the last step logged, so a resumed run continues the same
-    wandb run (resume="allow") and never logs a step it already has: wandb's step only grows."""
+    RUN_DIR/wandb/hpcnft-wandb.json, so a resumed run continues the same wandb run
+    (resume="allow", same id), with the last step of a start that closed the run cleanly: the next
+    start logs only later steps (wandb's step only grows). A start killed outright loses what
+    wandb had not yet written (its service buffers); the file then still names the step of the last
+    clean close, and the next start fills in from run.h5."""
 
     name = "wandb"
 
@@ -99,8 +110,9 @@ class WandbTracker:
         os.makedirs(os.path.dirname(self.state_path), mode=0o700, exist_ok=True)
         state = self._read_state()
         self.run_id = state.get("id") or secrets.token_hex(8)
-        self.logged_through = int(state.get("last_step", -1))  # steps up to here are in the wandb run already
-        self._write_state(self.logged_through)
+        self.shown_through = int(state.get("last_step", -1))
+        self.last_logged = self.shown_through
+        self._write_state(self.shown_through)  # the id, before anything can fail
         self.run = wandb.init(
             dir=run_dir, id=self.run_id, resume="allow", mode=wandb_mode(environ),
             project=environ.get("WANDB_PROJECT") or "hpcnft",
@@ -126,25 +138,26 @@ class WandbTracker:
         os.replace(tmp, self.state_path)
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
-        if step <= self.logged_through:
+        if step <= self.shown_through:
             return
+        # not committed: the step's sample grid joins the row; wandb commits it at the next step
         self.run.log({k: float(v) for k, v in metrics.items()}, step=step)
-        self._write_state(step)
+        self.last_logged = max(self.last_logged, step)
 
     def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
-        if step <= self.logged_through:
+        if step <= self.shown_through:
             return
         self.run.log({tag: self._wandb.Image(_as_array(image))}, step=step)
 
     def close(self) -> None:
         self.run.finish()
+        self._write_state(self.last_logged)
 
 
-def open_tracker(name: str, run_dir: str, first_step: int, config: Mapping[str, object]) -> Tracker:
-    """Tracker `name` for a start whose first row is `first_step` (the resume step + 1, the resume
-    step when its rows are written again, 0 for a fresh start)."""
+def open_tracker(name: str, run_dir: str, kept_through: int, config: Mapping[str, object]) -> Tracker:
+    """Tracker `name` for a start after step `kept_through` (see TensorBoardTracker)."""
     if name == "tensorboard":
-        return TensorBoardTracker(run_dir, first_step)
+        return TensorBoardTracker(run_dir, kept_through)
     if name == "wandb":
         return WandbTracker(run_dir, config)
     raise ValueError(f"unknown tracker {name!r}")
@@ -159,18 +172,20 @@ class TrackerGroup:
         self.trackers, self.warn = list(trackers), warn
 
     @classmethod
-    def open(cls, names: list[str], run_dir: str, first_step: int, config: Mapping[str, object],
+    def open(cls, names: list[str], run_dir: str, kept_through: int, config: Mapping[str, object],
              warn: Callable[[str], None], opener=open_tracker) -> "TrackerGroup":
         group = cls([], warn)
         for name in names:
             try:
-                group.trackers.append(opener(name, run_dir, first_step, config))
+                group.trackers.append(opener(name, run_dir, kept_through, config))
             except Exception as e:  # noqa: BLE001 - a tracker never stops the run
                 group._failed(name, f"cannot start ({_reason(e)})")
         return group
 
-    def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
-        for tracker in list(self.trackers):
+    def _each(self, what: str, call: Callable[[Tracker], None], only: Tracker | None = None) -> None:
+        for tracker in [only] if only is not None else list(self.trackers):
+            if tracker not in self.trackers:  # failed already
+                continue
             try:
                 call(tracker)
             except Exception as e:  # noqa: BLE001 - a tracker never stops the run
@@ -183,6 +198,19 @@ class TrackerGroup:
 
     def _failed(self, name: str, what: str) -> None:
         self.warn(f"tracker {name} {what}; it is off for the rest of this start (run.h5 keeps every row)")
+
+    def backfill(self, through: int, rows_between: Callable[[int, int], Mapping[int, Mapping[str, float]]],
+                 grid_path: Callable[[int], str | None]) -> None:
+        """Give each tracker what it lacks of steps <= `through`: run.h5's rows after its
+        `shown_through` (`rows_between(after, through)`) and the sample grids saved for them."""
+        for tracker in list(self.trackers):
+            if tracker.shown_through >= through:
+                continue
+            for step, row in rows_between(tracker.shown_through, through).items():
+                self._each(f"at step {step}", lambda t: t.log_row(step, row), only=tracker)
+                grid = grid_path(step)
+                if grid:
+                    self._each(f"at step {step}", lambda t: t.log_image(step, "samples", grid), only=tracker)
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
         self._each(f"at step {step}", lambda t: t.log_row(step, metrics))

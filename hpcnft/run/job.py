@@ -61,8 +61,7 @@ class TrainJob:
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
         self.last_checkpoint = ""
         self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
-        self.first_row_step = 0  # the first step whose rows this start writes
-        self.replay_rows: dict[str, float] = {}  # rows of the resume step kept in run.h5, when some were dropped
+        self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
 
     def say(self, text: str) -> None:
         """What the user follows on the terminal: rank 0 prints it, every rank logs it."""
@@ -105,11 +104,11 @@ class TrainJob:
             # uninterrupted run would have: it goes, so both runs hold the same rows.
             periodic = cfg.eval.every and start_step % cfg.eval.every == 0
             end_only = () if periodic or start_step >= cfg.steps else tuple(EVAL_KEYS)
-            before = w.rows_at(start_step)
+            before = set(w.rows_between(start_step - 1, start_step).get(start_step, {}))
             dropped = w.truncate_after(start_step, inclusive_keys=end_only)
-            kept = w.rows_at(start_step)
-            # Rows of the resume step itself went: the trackers redo that step from what run.h5 kept.
-            self.first_row_step, self.replay_rows = (start_step, kept) if kept != before else (start_step + 1, {})
+            # where rows of the resume step itself went, the trackers take that step again from run.h5
+            kept = set(w.rows_between(start_step - 1, start_step).get(start_step, {}))
+            self.kept_through = start_step if kept == before else start_step - 1
             w.drop_rng_after(start_step)
             w.event(start_step, "resume", f"resumed from {self.resumed_from}; dropped {dropped} metric rows "
                                           f"after step {start_step}")
@@ -127,15 +126,15 @@ class TrainJob:
         cfg = self.cfg
         if not cfg.logging.trackers or start_step >= cfg.steps:
             return
-        self.trackers = TrackerGroup.open(cfg.logging.trackers, cfg.run_dir, self.first_row_step, cfg.to_dict(),
+        self.trackers = TrackerGroup.open(cfg.logging.trackers, cfg.run_dir, self.kept_through, cfg.to_dict(),
                                           self._tracker_warning)
         for tracker in self.trackers.trackers:
             self.say(f"live tracker: {tracker.where}")
-        if self.replay_rows:
-            self.trackers.log_row(start_step, self.replay_rows)
-            grid = os.path.join(cfg.run_dir, "samples", f"step_{start_step:06d}.png")
-            if os.path.isfile(grid):
-                self.trackers.log_image(start_step, "samples", grid)
+
+        def grid_path(step: int) -> str | None:
+            path = os.path.join(cfg.run_dir, "samples", f"step_{step:06d}.png")
+            return path if os.path.isfile(path) else None
+        self.trackers.backfill(start_step, self.writer.rows_between, grid_path)
 
     def _tracker_warning(self, text: str) -> None:
         log.warning(text)
