@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 from typing import Callable, Mapping, Protocol
 
@@ -21,7 +22,9 @@ import numpy as np
 # name -> (the module it imports, the pip extra that installs it)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard
-WANDB_STATE = "hpcnft-wandb.json"  # RUN_DIR/wandb/: the wandb run id and the last step logged to it
+# What each tracker holds, written when it closes cleanly: {"last_step": n} (and wandb's run id)
+TENSORBOARD_STATE = "hpcnft-tensorboard.json"  # RUN_DIR/tensorboard/ (TensorBoard reads only *tfevents* files)
+WANDB_STATE = "hpcnft-wandb.json"  # RUN_DIR/wandb/
 
 
 def missing_package(name: str) -> str | None:
@@ -45,6 +48,26 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
+def _read_state(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise OSError(f"{path}: unreadable ({e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("last_step", -1), int):
+        raise OSError(f"{path}: not a tracker state")
+    return state
+
+
+def _write_state(path: str, state: Mapping[str, object]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(dict(state), f)
+    os.replace(tmp, path)
+
+
 def _as_array(image: str | np.ndarray) -> np.ndarray:
     """An image file or an (H, W, 3) uint8 array -> the array."""
     if isinstance(image, np.ndarray):
@@ -59,8 +82,13 @@ class TensorBoardTracker:
     """Event files in RUN_DIR/tensorboard, flushed at every row. A start writes TensorBoard's
     purge marker at the first step it logs (SummaryWriter's purge_step): readers then drop
     whatever earlier starts logged from that step on (rows of steps run again after a resume),
-    so each step shows once. `kept_through`: the last step whose rows earlier starts wrote as
-    run.h5 still holds them (the resume step, or one less where that step's rows were dropped)."""
+    so each step shows once.
+
+    `kept_through`: the last step whose rows earlier starts wrote as run.h5 still holds them (the
+    resume step, or one less where that step's rows were dropped). The log dir holds the run up to
+    there if the last start that had TensorBoard on closed it cleanly at or after that step;
+    otherwise (a new log dir, a killed start, TensorBoard off for some starts) the purge marker
+    goes earlier and run.h5 fills in."""
 
     name = "tensorboard"
 
@@ -68,15 +96,20 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = os.path.join(run_dir, TENSORBOARD_DIR)
+        self.state_path = os.path.join(self.logdir, TENSORBOARD_STATE)
         earlier = os.path.isdir(self.logdir) and any(".tfevents." in n for n in os.listdir(self.logdir))
-        self.shown_through = kept_through if earlier else -1  # a new logdir gets the whole run
+        closed_at = _read_state(self.state_path).get("last_step", -1) if earlier else -1
+        self.shown_through = self.last_logged = min(kept_through, closed_at)
         self._writer = SummaryWriter(self.logdir, purge_step=self.shown_through + 1, filename_suffix=".hpcnft")
+        if os.path.exists(self.state_path):
+            os.remove(self.state_path)  # until this start closes cleanly
         self.where = f"tensorboard --logdir {self.logdir}"
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
             self._writer.add_scalar(key, float(value), step)
         self._writer.flush()  # live: the row is on disk before the next step starts
+        self.last_logged = max(self.last_logged, step)
 
     def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
         self._writer.add_image(tag, _as_array(image), step, dataformats="HWC")
@@ -84,6 +117,7 @@ class TensorBoardTracker:
 
     def close(self) -> None:
         self._writer.close()
+        _write_state(self.state_path, {"last_step": self.last_logged})
 
 
 def wandb_mode(environ: Mapping[str, str]) -> str | None:
@@ -108,11 +142,13 @@ class WandbTracker:
         self._wandb = wandb
         self.state_path = os.path.join(run_dir, "wandb", WANDB_STATE)
         os.makedirs(os.path.dirname(self.state_path), mode=0o700, exist_ok=True)
-        state = self._read_state()
+        state = _read_state(self.state_path)
         self.run_id = state.get("id") or secrets.token_hex(8)
+        if not (isinstance(self.run_id, str) and re.fullmatch(r"[0-9a-z]{1,64}", self.run_id)):
+            raise OSError(f"{self.state_path}: not a wandb run id: {self.run_id!r}")
         self.shown_through = int(state.get("last_step", -1))
         self.last_logged = self.shown_through
-        self._write_state(self.shown_through)  # the id, before anything can fail
+        _write_state(self.state_path, {"id": self.run_id, "last_step": self.shown_through})  # the id, first
         self.run = wandb.init(
             dir=run_dir, id=self.run_id, resume="allow", mode=wandb_mode(environ),
             project=environ.get("WANDB_PROJECT") or "hpcnft",
@@ -120,22 +156,6 @@ class WandbTracker:
             # hpcnft owns the terminal: no console capture, no banner
             settings=wandb.Settings(console="off", silent=True))
         self.where = f"wandb run {self.run_id} ({self.run.settings.mode}) in {os.path.dirname(self.state_path)}"
-
-    def _read_state(self) -> dict:
-        try:
-            with open(self.state_path, encoding="utf-8") as f:
-                state = json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            raise OSError(f"{self.state_path}: unreadable ({e})") from None
-        return state if isinstance(state, dict) else {}
-
-    def _write_state(self, last_step: int) -> None:
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"id": self.run_id, "last_step": last_step}, f)
-        os.replace(tmp, self.state_path)
 
     def log_row(self, step: int, metrics: Mapping[str, float]) -> None:
         if step <= self.shown_through:
@@ -151,7 +171,7 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
-        self._write_state(self.last_logged)
+        _write_state(self.state_path, {"id": self.run_id, "last_step": self.last_logged})
 
 
 def open_tracker(name: str, run_dir: str, kept_through: int, config: Mapping[str, object]) -> Tracker:

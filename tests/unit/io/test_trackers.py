@@ -61,6 +61,42 @@ def test_a_resumed_start_purges_the_steps_it_runs_again(tmp_path):
     assert got == want
 
 
+def _run_h5(after, through):
+    return {s: r for s, r in ROWS.items() if after < s <= through}
+
+
+def test_after_a_killed_start_the_log_dir_is_purged_and_filled_in_from_run_h5(tmp_path):
+    """Start 1 logged steps 1-3 and was killed (never closed); start 2 resumes after step 2. Not
+    knowing what start 1 flushed, it purges from step 0 and sends run.h5's rows again."""
+    first = TensorBoardTracker(str(tmp_path), kept_through=-1)
+    for step in range(1, 4):
+        first.log_row(step, {k: -v for k, v in ROWS[step].items()})
+    group = TrackerGroup.open(["tensorboard"], str(tmp_path), 2, {}, warn=pytest.fail)
+    assert group.trackers[0].shown_through == -1
+    group.backfill(2, _run_h5, lambda step: None)
+    for step in (3, 4):
+        group.log_row(step, ROWS[step])
+    group.close()
+    first._writer.close()  # the killed start's writer thread, without a clean close's state
+    got = tensorboard_scalars(str(tmp_path / "tensorboard"))["train/nft_loss"]
+    assert got == [(s, _float32(ROWS[s]["train/nft_loss"])) for s in range(1, 5)]
+
+
+def test_steps_run_while_tensorboard_was_off_are_filled_in(tmp_path):
+    first = TensorBoardTracker(str(tmp_path), kept_through=-1)
+    for step in (1, 2):
+        first.log_row(step, ROWS[step])
+    first.close()
+    # steps 3-4 ran without the tracker; this start resumes after step 4
+    group = TrackerGroup.open(["tensorboard"], str(tmp_path), 4, {}, warn=pytest.fail)
+    assert group.trackers[0].shown_through == 2
+    group.backfill(4, _run_h5, lambda step: None)
+    group.log_row(5, ROWS[5])
+    group.close()
+    got = tensorboard_scalars(str(tmp_path / "tensorboard"))["eval/pickscore_mean"]
+    assert got == [(s, _float32(ROWS[s]["eval/pickscore_mean"])) for s in range(1, 6)]
+
+
 def test_a_new_logdir_is_backfilled_with_the_whole_run(tmp_path):
     """A tracker added to a run under way (no event files yet) gets run.h5's rows up to the resume step."""
     grid = tmp_path / "step_000002.png"
@@ -69,8 +105,7 @@ def test_a_new_logdir_is_backfilled_with_the_whole_run(tmp_path):
     Image.fromarray(GRID).save(grid)
     group = TrackerGroup.open(["tensorboard"], str(tmp_path), 3, {}, warn=pytest.fail)
     assert group.trackers[0].shown_through == -1
-    group.backfill(3, lambda after, through: {s: r for s, r in ROWS.items() if after < s <= through},
-                   lambda step: str(grid) if step == 2 else None)
+    group.backfill(3, _run_h5, lambda step: str(grid) if step == 2 else None)
     group.log_row(4, ROWS[4])
     group.close()
     got = tensorboard_scalars(str(tmp_path / "tensorboard"))
@@ -187,6 +222,15 @@ def test_a_tracker_that_cannot_start_is_warned_about_and_left_out(tmp_path, offl
     (line,) = warnings
     assert line.startswith("tracker wandb cannot start (") and "\n" not in line
     group.close()
+
+
+def test_a_damaged_wandb_state_is_a_tracker_that_cannot_start(tmp_path, offline):
+    pytest.importorskip("wandb")
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "hpcnft-wandb.json").write_text('{"id": "../../x", "last_step": 3}')
+    warnings = []
+    group = TrackerGroup.open(["wandb"], str(tmp_path), 3, {}, warnings.append)
+    assert group.trackers == [] and "not a wandb run id" in warnings[0]
 
 
 def test_missing_package_names_the_pip_extra(monkeypatch):
