@@ -174,15 +174,27 @@ def test_bad_command_line_argument_is_one_line(tmp_path):
     _assert_one_line_exit_2(proc, ["--steps", "abc"])
 
 
+NO_WANDB = "import sys; sys.modules['wandb'] = None; from hpcnft.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
 def test_a_tracker_whose_package_is_missing_is_refused_before_any_rank_starts(tmp_path):
     """wandb made unimportable the way Python marks a missing module (sys.modules[name] = None)."""
     run_dir = _prepare_run_dir(tmp_path)
     before = _snapshot(run_dir)
-    code = ("import sys; sys.modules['wandb'] = None; from hpcnft.cli import main; "
-            "sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", code, "run", "tiny", "--run-dir", str(run_dir), "--set",
+    proc = subprocess.run([sys.executable, "-c", NO_WANDB, "run", "tiny", "--run-dir", str(run_dir), "--set",
                            'logging.trackers=["tensorboard", "wandb"]'], capture_output=True, text=True,
                           timeout=120, env=_env(tmp_path), cwd=tmp_path)
     _assert_one_line_exit_2(proc, ["logging.trackers", "wandb", "pip install 'hpcnft[wandb]'"])
     assert _snapshot(run_dir) == before
+    assert not (tmp_path / "cache").exists()
+
+
+def test_under_a_launcher_rank_0_refuses_a_missing_tracker_package_before_the_rendezvous(tmp_path):
+    """torchrun's variables, no preflight: rank 0 of 3 exits 2 with the line, without waiting for peers."""
+    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}  # nothing listens there: reaching the rendezvous would fail differently
+    proc = subprocess.run([sys.executable, "-c", NO_WANDB, "run", "tiny", "--run-dir", str(tmp_path / "run"),
+                           "--set", 'logging.trackers=["wandb"]'], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    _assert_one_line_exit_2(proc, ["logging.trackers", "wandb", "pip install 'hpcnft[wandb]'"])
     assert not (tmp_path / "cache").exists()
