@@ -161,6 +161,9 @@ class PreemptConfig:
 class LoggingConfig:
     sample_grid_every: int = 10  # 0 disables the PNG grid of rollout images
     sample_grid_images: int = 16
+    # Live trackers rank 0 feeds as the run goes ("tensorboard", "wandb"; optional extras):
+    # every metrics row and every sample grid. run.h5 stays the record; a failing tracker is dropped.
+    trackers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -223,7 +226,7 @@ class Config:
 
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
 RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
+                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images", "logging.trackers",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
                        "layout.emulate_hosts"}
 

@@ -35,6 +35,7 @@ MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
 # Upper bounds: collectives wait at most a day; images and chunks within what the reward
 # service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
 AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
+TRACKERS = ("tensorboard", "wandb")  # logging.trackers: hpcnft/io/trackers.py has one class for each
 MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
 UNIT_INTERVAL = {"nft.timestep_fraction", "eval.ema_decay", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
@@ -77,6 +78,11 @@ def validate(cfg) -> None:
         values = value if isinstance(value, list) else [value]
         if any(isinstance(v, str) and ("\0" in v or "\n" in v) for v in values):
             raise ConfigError(f"{key}: must not contain NUL or newline characters")
+    for name in cfg.logging.trackers:
+        if name not in TRACKERS:
+            raise ConfigError(f"logging.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
+        if cfg.logging.trackers.count(name) > 1:
+            raise ConfigError(f"logging.trackers: {name!r} is listed more than once")
     if not re.fullmatch(r"0?[0-7]{3}", cfg.umask):
         raise ConfigError(f"umask: expected an octal mask such as \"077\" or \"027\", got {cfg.umask!r}")
     r = cfg.rollout

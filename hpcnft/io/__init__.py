@@ -1,1 +1,1 @@
-"""Files: the run file, following a live run, checkpoints, metric comparison, TensorBoard export."""
+"""Files: the run file, following a live run, checkpoints, metric comparison, TensorBoard export, live trackers."""

@@ -227,6 +227,16 @@ class RunFileWriter:
         return dropped
 
     @_writes
+    def rows_between(self, after: int, through: int) -> dict[int, dict[str, float]]:
+        """{step: {key: value}} of the rows with after < step <= through."""
+        out: dict[int, dict[str, float]] = {}
+        for key in ALL_KEYS:
+            for step, value in self._f[f"metrics/{key}"][()].tolist():
+                if after < step <= through:
+                    out.setdefault(int(step), {})[key] = value
+        return dict(sorted(out.items()))
+
+    @_writes
     def last_step(self) -> int:
         ds = self._f["metrics/train/nft_loss"]
         return int(ds[-1, 0]) if ds.shape[0] else 0

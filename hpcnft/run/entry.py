@@ -22,7 +22,7 @@ from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import default_run_dir, lock_run_dir, tiny_models_built
+from hpcnft.run.rundir import check_trackers, default_run_dir, lock_run_dir, tiny_models_built
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -78,6 +78,12 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
 
 def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
+    try:  # under a launcher no preflight ran: every rank refuses before the rendezvous, rank 0 says why
+        check_trackers(cfg)
+    except UsageError as e:
+        if info.rank == 0:
+            print_err(str(e))
+        return EXIT_BAD_INPUT
     try:
         # The tiny models are built (once, under a file lock) before the process group exists:
         # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.

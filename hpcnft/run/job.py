@@ -20,6 +20,7 @@ from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.dist.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.dist.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
 from hpcnft.io import checkpoint
+from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
@@ -59,6 +60,8 @@ class TrainJob:
         self.warnings: list[str] = []
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
         self.last_checkpoint = ""
+        self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
+        self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
 
     def say(self, text: str) -> None:
         """What the user follows on the terminal: rank 0 prints it, every rank logs it."""
@@ -101,7 +104,11 @@ class TrainJob:
             # uninterrupted run would have: it goes, so both runs hold the same rows.
             periodic = cfg.eval.every and start_step % cfg.eval.every == 0
             end_only = () if periodic or start_step >= cfg.steps else tuple(EVAL_KEYS)
+            before = set(w.rows_between(start_step - 1, start_step).get(start_step, {}))
             dropped = w.truncate_after(start_step, inclusive_keys=end_only)
+            # where rows of the resume step itself went, the trackers take that step again from run.h5
+            kept = set(w.rows_between(start_step - 1, start_step).get(start_step, {}))
+            self.kept_through = start_step if kept == before else start_step - 1
             w.drop_rng_after(start_step)
             w.event(start_step, "resume", f"resumed from {self.resumed_from}; dropped {dropped} metric rows "
                                           f"after step {start_step}")
@@ -113,6 +120,27 @@ class TrainJob:
                        "resumed_from": getattr(self, "resumed_from", "")})
         w.event(start_step, "start", f"{topo.launcher} launch, world {topo.world_size}, train ranks "
                                      f"{topo.train_ranks}, reward ranks {topo.reward_ranks or 'colocated'}")
+
+    def open_trackers(self, start_step: int) -> None:
+        """Rank 0: the live trackers of logging.trackers, continuing the curves of earlier starts."""
+        cfg = self.cfg
+        if not cfg.logging.trackers or start_step >= cfg.steps:
+            return
+        self.trackers = TrackerGroup.open(cfg.logging.trackers, cfg.run_dir, self.kept_through, cfg.to_dict(),
+                                          self._tracker_warning)
+        for tracker in self.trackers.trackers:
+            self.say(f"live tracker: {tracker.where}")
+
+        def grid_path(step: int) -> str | None:
+            path = os.path.join(cfg.run_dir, "samples", f"step_{step:06d}.png")
+            return path if os.path.isfile(path) else None
+        self.trackers.backfill(start_step, self.writer.rows_between, grid_path)
+
+    def _tracker_warning(self, text: str) -> None:
+        log.warning(text)
+        print_err(f"warning: {text}")
+        if self.writer:
+            self.writer.event(self.writer.last_step(), "warning", text)
 
     def warn_truncated_prompts(self, step: int) -> None:
         """Rank 0, once per start: how many prompts the text encoders will cut."""
@@ -169,11 +197,13 @@ class TrainJob:
         if topo.rank == 0:
             self.open_run_file(start_step)
             self.warn_truncated_prompts(start_step)
+            self.open_trackers(start_step)
         w = self.writer
         if cfg.eval.at_start and start_step == 0:
             m = tr.evaluate()
             if w:
                 w.append_metrics(0, m)
+                self.trackers.log_row(0, m)
         t_begin = time.perf_counter()
         if start_step >= cfg.steps:
             self.say(f"{cfg.run_dir} already finished at step {start_step}; nothing to run "
@@ -187,8 +217,9 @@ class TrainJob:
                 (step % every == 0 or step == 1) else None  # every train rank takes part
             if w:
                 w.append_metrics(step, metrics)
+                self.trackers.log_row(step, metrics)
                 if grid is not None:
-                    save_grid(cfg.run_dir, step, *grid)
+                    self.trackers.log_image(step, "samples", save_grid(cfg.run_dir, step, *grid))
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
                 print(line, flush=True)
                 log.info(line)
@@ -237,6 +268,7 @@ def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
             job.tr.client.report_error(fail_line(topo, e))
         raise
     finally:
+        job.trackers.close()
         close_then_requeue(job.writer, job.requeue_job)
 
 

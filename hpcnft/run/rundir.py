@@ -34,6 +34,7 @@ def check_input(cfg) -> None:
                          PROCESSOR_REQUIRED)
     except (ModelError, PromptFileError) as e:
         raise UsageError(str(e)) from None
+    check_trackers(cfg)
     check_run_dir(cfg.run_dir)
     check_backend(cfg)
 
@@ -48,6 +49,16 @@ def lock_run_dir(run_dir: str, warn, inherited: bool = False):
         return rundir_lock.take(run_dir, warn) if inherited else rundir_lock.acquire(run_dir, warn)
     except OSError as e:
         raise UsageError(f"run dir {run_dir!r}: cannot take its lock file: {e.strerror or e}") from None
+
+
+def check_trackers(cfg) -> None:
+    """Every tracker of logging.trackers has its package installed."""
+    from hpcnft.io.trackers import missing_package
+
+    for name in cfg.logging.trackers:
+        problem = missing_package(name)
+        if problem:
+            raise UsageError(problem)
 
 
 def check_backend(cfg) -> None:

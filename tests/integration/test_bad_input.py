@@ -79,6 +79,10 @@ def _case_out_of_range(tmp):
     return ["--set", "nft.timestep_fraction=1.5"], ["nft.timestep_fraction", "1.5"]
 
 
+def _case_unknown_tracker(tmp):
+    return ["--set", 'logging.trackers=["tensorbord"]'], ["logging.trackers", "tensorbord"]
+
+
 def _case_run_dir_below_a_regular_file(tmp):
     # Tests run as root, and root ignores permission bits, so `chmod 500` on a parent would not
     # stop it. A path below a regular file fails for everyone (ENOTDIR), root included. The
@@ -96,6 +100,7 @@ CASES = {
     "unknown config key": _case_unknown_config_key,
     "wrong type": _case_wrong_type,
     "out of range": _case_out_of_range,
+    "unknown tracker": _case_unknown_tracker,
     "run dir below a regular file": _case_run_dir_below_a_regular_file,
 }
 
@@ -167,3 +172,29 @@ def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
 def test_bad_command_line_argument_is_one_line(tmp_path):
     proc = _run(["--steps", "abc", "--run-dir", str(tmp_path / "run")], tmp_path)
     _assert_one_line_exit_2(proc, ["--steps", "abc"])
+
+
+NO_WANDB = "import sys; sys.modules['wandb'] = None; from hpcnft.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_any_rank_starts(tmp_path):
+    """wandb made unimportable the way Python marks a missing module (sys.modules[name] = None)."""
+    run_dir = _prepare_run_dir(tmp_path)
+    before = _snapshot(run_dir)
+    proc = subprocess.run([sys.executable, "-c", NO_WANDB, "run", "tiny", "--run-dir", str(run_dir), "--set",
+                           'logging.trackers=["tensorboard", "wandb"]'], capture_output=True, text=True,
+                          timeout=120, env=_env(tmp_path), cwd=tmp_path)
+    _assert_one_line_exit_2(proc, ["logging.trackers", "wandb", "pip install 'hpcnft[wandb]'"])
+    assert _snapshot(run_dir) == before
+    assert not (tmp_path / "cache").exists()
+
+
+def test_under_a_launcher_rank_0_refuses_a_missing_tracker_package_before_the_rendezvous(tmp_path):
+    """torchrun's variables, no preflight: rank 0 of 3 exits 2 with the line, without waiting for peers."""
+    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}  # nothing listens there: reaching the rendezvous would fail differently
+    proc = subprocess.run([sys.executable, "-c", NO_WANDB, "run", "tiny", "--run-dir", str(tmp_path / "run"),
+                           "--set", 'logging.trackers=["wandb"]'], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    _assert_one_line_exit_2(proc, ["logging.trackers", "wandb", "pip install 'hpcnft[wandb]'"])
+    assert not (tmp_path / "cache").exists()

@@ -235,3 +235,27 @@ def test_a_chunk_the_reward_service_would_refuse_is_a_config_error():
 def test_umask_is_a_config_value():
     assert load_config("tiny").umask == "077"
     assert load_config("tiny", ["umask=027"]).umask == "027"  # a bare word: the string "027"
+
+
+def test_trackers_default_to_none_and_take_the_known_names():
+    assert load_config("tiny").logging.trackers == []
+    cfg = load_config("tiny", ['logging.trackers=["tensorboard", "wandb"]'])
+    assert cfg.logging.trackers == ["tensorboard", "wandb"]
+
+
+@pytest.mark.parametrize("value, names", [
+    ('["mlflow"]', ["logging.trackers", "'mlflow'", "tensorboard, wandb"]),
+    ('["wandb", "wandb"]', ["logging.trackers", "'wandb'", "more than once"]),
+    ("tensorboard", ["logging.trackers", "expected a list"]),
+])
+def test_bad_trackers_are_refused_naming_the_key(value, names):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f"logging.trackers={value}"])
+    for name in names:
+        assert name in str(e.value)
+
+
+def test_trackers_may_change_on_resume():
+    a = load_config("tiny").to_dict()
+    b = load_config("tiny", ['logging.trackers=["tensorboard"]']).to_dict()
+    assert differing_keys(a, b) == []
