@@ -21,10 +21,11 @@ from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
+from hpcnft.run.resume import RunFileLostError
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import default_run_dir, tiny_models_built
 
-BAD_INPUT = (ModelError, PromptFileError, ConfigError)
+BAD_INPUT = (ModelError, PromptFileError, ConfigError, RunFileLostError)
 
 
 def agree_run_dir(cfg: Config, recipe: str, topo) -> str:

@@ -58,24 +58,24 @@ def tiny_models_built(cfg) -> bool:
 
 
 def check_existing_run(cfg) -> None:
-    """A run dir that already holds a run may only be resumed with a compatible config."""
+    """A run dir that already holds a run may only be resumed with a compatible config, and
+    its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it)."""
     from hpcnft.common.config import ConfigError, differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
+    from hpcnft.run.resume import ResumePlan, RunFileLostError, plan_resume
 
     try:
-        resumable = False
+        plan = ResumePlan(None)
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            from hpcnft.run.resume import check_resumable
-
-            resumable = check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None
+            plan = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None)
         path = os.path.join(cfg.run_dir, "run.h5")
-        if os.path.lexists(path):
+        if plan.checkpoint is None and os.path.lexists(path):
             stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
-            diff = [] if resumable else differing_keys(stored, cfg.to_dict())
+            diff = differing_keys(stored, cfg.to_dict())
             if diff:
                 raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                                  f"({', '.join(diff[:5])}); choose another --run-dir")
-    except ConfigError as e:
+    except (ConfigError, RunFileLostError) as e:
         raise UsageError(str(e)) from None
     except RunFileError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
