@@ -23,6 +23,9 @@ def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
 
 
 def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
+    # Seeded as the train ranks are: the RNG states this rank snapshots into checkpoints and
+    # run.h5 are then the same in every run of a config, as theirs are.
+    determinism.seed_globals(cfg.train.seed)
     score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
     found = checkpoint.latest_usable(cfg.run_dir, log.warning)
     blob = checkpoint.read_rng(found[1], topo.rank) if found else None
