@@ -99,7 +99,6 @@ class RunFileWriter:
                 self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             if not isinstance(self._f.attrs.get(run_state.RUN_ID), str):
                 self._f.attrs[run_state.RUN_ID] = run_state.new_run_id()
-            self.run_id = self._f.attrs[run_state.RUN_ID]
             self._ensure_structure()
             self._f.flush()
             self._f.swmr_mode = True

@@ -79,6 +79,8 @@ def test_a_lost_run_file_is_rebuilt_and_the_run_ends_as_the_uninterrupted_one(un
     assert hpcnft("compare", uninterrupted, run_dir).returncode == 0
     run = read_run(run_dir)
     assert [a["from_step"] for a in run.attempts] == [0, 2]  # the first start's attempt came back
+    run_id = read_run(first_two_steps).attrs[run_state.RUN_ID]
+    assert run.attrs[run_state.RUN_ID] == run_id and f"run id {run_id})" in hpcnft("show", run_dir).stdout
     assert [e["kind"] for e in run.events].count("checkpoint") == 4
     assert any(e["kind"] == "warning" and "rebuilt from checkpoint" in e["text"] for e in run.events)
     aside = [n for n in os.listdir(run_dir) if n.startswith("run.h5.")]
