@@ -62,20 +62,24 @@ def check_existing_run(cfg) -> None:
     its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it)."""
     from hpcnft.common.config import ConfigError, differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
-    from hpcnft.run.resume import ResumePlan, RunFileLostError, plan_resume
 
     try:
-        plan = ResumePlan(None)
+        resumable = False
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            plan = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None)
+            from hpcnft.run.resume import RunFileLostError, plan_resume
+
+            try:
+                resumable = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None).checkpoint is not None
+            except RunFileLostError as e:
+                raise UsageError(str(e)) from None
         path = os.path.join(cfg.run_dir, "run.h5")
-        if plan.checkpoint is None and os.path.lexists(path):
+        if not resumable and os.path.lexists(path):
             stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
             diff = differing_keys(stored, cfg.to_dict())
             if diff:
                 raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                                  f"({', '.join(diff[:5])}); choose another --run-dir")
-    except (ConfigError, RunFileLostError) as e:
+    except ConfigError as e:
         raise UsageError(str(e)) from None
     except RunFileError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
