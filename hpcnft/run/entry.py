@@ -21,11 +21,11 @@ from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
-from hpcnft.run.resume import RunFileLostError
+from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import default_run_dir, tiny_models_built
 
-BAD_INPUT = (ModelError, PromptFileError, ConfigError, RunFileLostError)
+BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
 
 def agree_run_dir(cfg: Config, recipe: str, topo) -> str:
@@ -80,10 +80,19 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
     try:
+        plan = agree_plan(cfg, topo.rank)  # where every rank resumes, and whether run.h5 is rebuilt first
+    except Exception as e:  # noqa: BLE001 - rank 0's failure, raised on every rank: said once
+        log_exception(topo, e)
+        refused = isinstance(e, (ConfigError, RunFileLostError))
+        if topo.rank == 0:
+            print_err(fail_line(topo, e) + ("" if refused else f" (traceback in {cfg.run_dir}/logs/rank0.log)"))
+        return EXIT_BAD_INPUT if refused else EXIT_FAILED
+    try:
         if cfg.samples_per_step % len(topo.train_ranks):
             raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
                               f"{len(topo.train_ranks)} train ranks")
-        code = reward_main(cfg, topo, flag) if topo.role == "reward" else train_main(cfg, topo, group, mesh, flag)
+        code = reward_main(cfg, topo, flag, plan) if topo.role == "reward" else \
+            train_main(cfg, topo, group, mesh, flag, plan)
     except BAD_INPUT as e:
         log_exception(topo, e)
         print_err(fail_line(topo, e))

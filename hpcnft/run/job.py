@@ -23,7 +23,7 @@ from hpcnft.io import checkpoint
 from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
-from hpcnft.run.resume import ResumePlan, agree, plan_resume
+from hpcnft.run.resume import ResumePlan
 from hpcnft.run.reward_rank import load_scorer
 
 
@@ -49,8 +49,8 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
 class TrainJob:
     """A train rank's run: resume, iterate, evaluate, checkpoint, stop on preemption."""
 
-    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag):
-        self.cfg, self.topo, self.group, self.flag = cfg, topo, group, flag
+    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan):
+        self.cfg, self.topo, self.group, self.flag, self.plan = cfg, topo, group, flag, plan
         self.say("loading the models")
         t0 = time.perf_counter()
         self.tr = build_train_rank(cfg, topo, group, mesh)
@@ -58,7 +58,6 @@ class TrainJob:
         self.writer = None
         self.warnings: list[str] = []
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
-        self.plan = ResumePlan(None)  # rank 0: the checkpoint, and whether run.h5 is rebuilt from it
         self.last_checkpoint = ""
 
     def say(self, text: str) -> None:
@@ -75,9 +74,9 @@ class TrainJob:
 
     def resume(self) -> int:
         cfg, tr = self.cfg, self.tr
-        if self.topo.rank == 0:
-            self.plan = plan_resume(cfg, cfg.run_dir, self._warn)
-        found = agree(self.group, self.plan.checkpoint)
+        for text in self.plan.warnings:
+            self._warn(text)
+        found = self.plan.checkpoint  # rank 0's choice, on every rank (resume.agree_plan)
         if found is None:
             return 0
         step, path = found
@@ -246,8 +245,8 @@ class TrainJob:
         return EXIT_PREEMPTED
 
 
-def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
-    job = TrainJob(cfg, topo, group, mesh, flag)
+def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan) -> int:
+    job = TrainJob(cfg, topo, group, mesh, flag, plan)
     try:
         return job.run()
     except BaseException as e:

@@ -4,11 +4,12 @@ copy of it (deleted, damaged, another run's, or ending before the checkpoint).""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError, differing_keys, flatten
+from hpcnft.common.errors import one_line
 from hpcnft.io import checkpoint, run_state
 from hpcnft.io.runfile import RunFileError, read_run
 
@@ -22,6 +23,7 @@ class ResumePlan:
     checkpoint: tuple[int, str] | None  # (step, path) the ranks resume from; None: start at step 0
     rebuild_why: str = ""  # why run.h5 is rebuilt from the checkpoint's run_state.h5; "" = kept as it is
     aside_tag: str = ""  # the existing run.h5 is renamed run.h5.<tag>-<time>; "" = there is none
+    warnings: list[str] = field(default_factory=list)  # checkpoints skipped and why
 
 
 def agree(group, value, src: int = 0):
@@ -30,6 +32,30 @@ def agree(group, value, src: int = 0):
     if group is not None:
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def agree_plan(cfg: Config, rank: int) -> ResumePlan:
+    """Rank 0's plan on every rank of the job, so that train and reward ranks resume from one
+    checkpoint; rank 0's ConfigError or RunFileLostError (any other failure as a RuntimeError)
+    is raised on every rank."""
+    outcome = None
+    if rank == 0:
+        warnings: list[str] = []
+        try:
+            plan = plan_resume(cfg, cfg.run_dir, warnings.append)
+            plan.warnings = warnings
+            outcome = (plan, None)
+        except (ConfigError, RunFileLostError) as e:
+            outcome = (None, e)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a plan that never comes
+            outcome = (None, RuntimeError(one_line(e)))
+    box = [outcome]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    plan, error = box[0]
+    if error is not None:
+        raise error
+    return plan
 
 
 def _check_config(cfg: Config, run_dir: str, path: str) -> None:

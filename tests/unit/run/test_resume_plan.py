@@ -116,3 +116,23 @@ def test_a_damaged_run_file_without_checkpoints_is_still_refused(tmp_path):
     assert plan_resume(cfg, cfg.run_dir, lambda _t: None).checkpoint is None
     with pytest.raises(UsageError, match="run.h5"):
         check_existing_run(cfg)
+
+
+def test_rank_0s_plan_carries_the_skipped_checkpoints_and_its_failures_are_raised(run, monkeypatch):
+    from hpcnft.run import resume
+
+    cfg, ckpts = run
+    os.remove(os.path.join(ckpts[2], "COMPLETE"))
+    plan = resume.agree_plan(cfg, 0)
+    assert plan.checkpoint == (1, ckpts[1])
+    assert plan.warnings == [f"skipping checkpoint {ckpts[2]}: no COMPLETE marker"]
+    os.remove(os.path.join(cfg.run_dir, "run.h5"))
+    os.remove(run_state.run_state_path(ckpts[1]))
+    with pytest.raises(RunFileLostError, match="run.h5 is missing"):
+        resume.agree_plan(cfg, 0)
+
+    def broken(*_args):
+        raise OSError("Input/output error\nwith a second line")
+    monkeypatch.setattr(resume, "plan_resume", broken)
+    with pytest.raises(RuntimeError, match=r"^OSError: Input/output error$"):
+        resume.agree_plan(cfg, 0)
