@@ -154,7 +154,7 @@ def _show(args: argparse.Namespace) -> int:
 def summary_lines(run: runfile.RunData) -> list[str]:
     a = run.attrs
     lines = [f"run {run.path}  (schema {a.get('schema')}, hpcnft {a.get('hpcnft_version')}, "
-             f"created {a.get('created')})",
+             f"created {a.get('created')}" + (f", run id {a['run_id']})" if a.get("run_id") else ")"),
              "config", *_packed(_flatten(run.config)),
              "topology", *_packed(f"{k}={_attr_text(v)}" for k, v in sorted(run.topology.items())),
              f"attempts ({len(run.attempts)})"]

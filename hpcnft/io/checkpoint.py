@@ -7,6 +7,8 @@ RUN_DIR/checkpoints/step_000020/
     trainer_state.json        step, prompt cursor, loss scaler
     config.json               the resolved config the run was started with
     rng/rank_<r>.bin          every rank's global RNG states (the reward rank writes its own)
+    run_state.h5              run.h5's content up to this step (io.run_state): what a lost or
+                              damaged run.h5 is rebuilt from
     COMPLETE                  written last, before the directory gets its final name
 
 A checkpoint is written as step_XXXXXX.partial and renamed when complete; one without COMPLETE,
@@ -22,6 +24,7 @@ import pickle  # only through AllowListUnpickler
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -302,10 +305,14 @@ def discard_partial(run_dir: str, step: int) -> None:
     shutil.rmtree(partial_dir(run_dir, step), ignore_errors=True)
 
 
-def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, keep: int) -> str:
-    """Rank 0, after every rank's files are in place: state, config, COMPLETE, rename, prune."""
+def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, keep: int,
+           write_run_state: Callable[[str], None] | None = None) -> str:
+    """Rank 0, after every rank's files are in place: state, config, the run file's copy
+    (write_run_state(path), rank 0's writer), COMPLETE, rename, prune."""
     tmp, final = partial_dir(run_dir, step), step_dir(run_dir, step)
     try:
+        if write_run_state is not None:
+            write_run_state(os.path.join(tmp, "run_state.h5"))
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump({"step": train_state.step, "scaler": train_state.scaler}, f, indent=2)
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -317,7 +324,7 @@ def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, k
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSError, or the run file copy's RunFileError
         reason = _space_note(run_dir) + _reason(e)
         discard_partial(run_dir, step)
         raise CheckpointError(f"{tmp}: cannot write the checkpoint ({reason})") from None

@@ -15,6 +15,7 @@ from typing import Mapping
 import h5py
 import numpy as np
 
+from hpcnft.io import run_state
 from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, EVENT_KINDS, SCHEMA, RunFileError, error_line, open_swmr_reader,
                                read_run)
 
@@ -75,7 +76,9 @@ def _check_space(path: str, nbytes: int) -> None:
 
 class RunFileWriter:
     """Rank 0's writer. Opens (or creates) RUN_DIR/run.h5 and keeps it in SWMR mode. An existing
-    file is validated against the schema (read_run) before anything is written to it."""
+    file is validated against the schema (read_run) before anything is written to it. The file
+    carries a random run id (created with it, or given to a file of an older version that has
+    none), which every checkpoint's copy keeps: a run.h5 of another run is told apart by it."""
 
     def __init__(self, path: str, config_json: str, version: str):
         self.path = path
@@ -94,6 +97,8 @@ class RunFileWriter:
                 self._f.attrs["hpcnft_version"] = version
                 self._f.attrs["config"] = config_json
                 self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            if not isinstance(self._f.attrs.get(run_state.RUN_ID), str):
+                self._f.attrs[run_state.RUN_ID] = run_state.new_run_id()
             self._ensure_structure()
             self._f.flush()
             self._f.swmr_mode = True
@@ -186,6 +191,22 @@ class RunFileWriter:
         for n in later:
             del self._f[f"rng/{n}"]
         self._resume_swmr()
+
+    def snapshot(self, path: str, extra_event: tuple[int, str, str] | None = None) -> None:
+        """A copy of everything written so far (a checkpoint's run_state.h5), read through this
+        handle after a flush; `extra_event` goes into the copy only. A failure (a full disk) is a
+        RunFileError naming `path`; run.h5 itself is left as it was."""
+        try:
+            _check_space(path, os.path.getsize(self.path))
+            self._f.flush()
+            run_state.write_snapshot(self._f, path, extra_event)
+        except Exception as e:  # noqa: BLE001
+            if os.path.lexists(path):
+                os.remove(path)
+            if isinstance(e, RunFileError):
+                raise
+            _release_quietly(e)
+            raise RunFileError(f"{path}: cannot write the copy of the run file ({error_line(e)})") from None
 
     # -- appends (SWMR-safe) -------------------------------------------------------------
     @_writes

@@ -21,6 +21,7 @@ from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
+from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import check_trackers, default_run_dir, lock_run_dir, tiny_models_built
 
@@ -124,10 +125,19 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
     for text in notes:
         log.warning(text)
     try:
+        plan = agree_plan(cfg, topo.rank)  # where every rank resumes, and whether run.h5 is rebuilt first
+    except Exception as e:  # noqa: BLE001 - rank 0's failure, raised on every rank: said once
+        log_exception(topo, e)
+        refused = isinstance(e, (ConfigError, RunFileLostError))
+        if topo.rank == 0:
+            print_err(fail_line(topo, e) + ("" if refused else f" (traceback in {cfg.run_dir}/logs/rank0.log)"))
+        return EXIT_BAD_INPUT if refused else EXIT_FAILED
+    try:
         if cfg.samples_per_step % len(topo.train_ranks):
             raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
                               f"{len(topo.train_ranks)} train ranks")
-        code = reward_main(cfg, topo, flag) if topo.role == "reward" else train_main(cfg, topo, group, mesh, flag)
+        code = reward_main(cfg, topo, flag, plan) if topo.role == "reward" else \
+            train_main(cfg, topo, group, mesh, flag, plan)
     except BAD_INPUT as e:
         log_exception(topo, e)
         print_err(fail_line(topo, e))

@@ -24,7 +24,7 @@ from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
-from hpcnft.run.resume import agree, check_resumable
+from hpcnft.run.resume import ResumePlan
 from hpcnft.run.reward_rank import load_scorer
 
 
@@ -50,8 +50,8 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
 class TrainJob:
     """A train rank's run: resume, iterate, evaluate, checkpoint, stop on preemption."""
 
-    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag):
-        self.cfg, self.topo, self.group, self.flag = cfg, topo, group, flag
+    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan):
+        self.cfg, self.topo, self.group, self.flag, self.plan = cfg, topo, group, flag, plan
         self.say("loading the models")
         t0 = time.perf_counter()
         self.tr = build_train_rank(cfg, topo, group, mesh)
@@ -77,7 +77,9 @@ class TrainJob:
 
     def resume(self) -> int:
         cfg, tr = self.cfg, self.tr
-        found = agree(self.group, check_resumable(cfg, cfg.run_dir, self._warn) if self.topo.rank == 0 else None)
+        for text in self.plan.warnings:
+            self._warn(text)
+        found = self.plan.checkpoint  # rank 0's choice, on every rank (resume.agree_plan)
         if found is None:
             return 0
         step, path = found
@@ -95,10 +97,13 @@ class TrainJob:
         from hpcnft.io.runfile import EVAL_KEYS
 
         cfg, topo = self.cfg, self.topo
+        rebuilt = self.rebuild_run_file() if self.plan.rebuild_why else ""
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__)
         w.set_topology(topo.as_attrs())
         for text in self.warnings:
             w.event(start_step, "error", text)
+        if rebuilt:
+            w.event(start_step, "warning", rebuilt)
         if start_step:
             # An eval that ran only because the earlier run ended at start_step is not one an
             # uninterrupted run would have: it goes, so both runs hold the same rows.
@@ -142,6 +147,21 @@ class TrainJob:
         if self.writer:
             self.writer.event(self.writer.last_step(), "warning", text)
 
+    def rebuild_run_file(self) -> str:
+        """Rank 0: set the unusable run.h5 aside (never deleted) and write it anew from the
+        resume checkpoint's copy; returns the warning, printed and logged here."""
+        from hpcnft.io import run_state
+
+        path = os.path.join(self.cfg.run_dir, "run.h5")
+        step, ckpt = self.plan.checkpoint
+        aside = run_state.set_aside(path, self.plan.aside_tag) if os.path.lexists(path) else ""
+        run_state.rebuild(path, ckpt)
+        text = (f"{path} {self.plan.rebuild_why}: rebuilt from checkpoint {ckpt} (rows up to step {step})"
+                + (f"; the old file is kept as {aside}" if aside else ""))
+        log.warning(text)
+        print_err(f"warning: {text}")
+        return text
+
     def warn_truncated_prompts(self, step: int) -> None:
         """Rank 0, once per start: how many prompts the text encoders will cut."""
         from hpcnft.algo.sampler import truncated_prompts
@@ -174,7 +194,9 @@ class TrainJob:
                 states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
                 self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
                 state = checkpoint.TrainState(step, tr.trainer.scaler.state_dict())
-                final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep)
+                final_name = checkpoint.step_dir(cfg.run_dir, step)
+                final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep,
+                                          lambda p: self.writer.snapshot(p, (step, "checkpoint", final_name)))
                 self.writer.event(step, "checkpoint", final)
                 self.last_checkpoint = final
         except BaseException:
@@ -254,8 +276,8 @@ class TrainJob:
         return EXIT_PREEMPTED
 
 
-def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag) -> int:
-    job = TrainJob(cfg, topo, group, mesh, flag)
+def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan) -> int:
+    job = TrainJob(cfg, topo, group, mesh, flag, plan)
     try:
         return job.run()
     except BaseException as e:

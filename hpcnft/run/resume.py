@@ -1,11 +1,29 @@
 """Which checkpoint a run resumes from: the newest usable one, refused when the config differs,
-and agreed on by every train rank."""
+and agreed on by every train rank; and whether run.h5 must first be rebuilt from a checkpoint's
+copy of it (deleted, damaged, another run's, or ending before the checkpoint)."""
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError, differing_keys, flatten
-from hpcnft.io import checkpoint
+from hpcnft.common.errors import one_line
+from hpcnft.io import checkpoint, run_state
+from hpcnft.io.runfile import RunFileError, read_run
+
+
+class RunFileLostError(Exception):
+    """run.h5 cannot be used and no checkpoint holds a copy to rebuild it from (one line)."""
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: tuple[int, str] | None  # (step, path) the ranks resume from; None: start at step 0
+    rebuild_why: str = ""  # why run.h5 is rebuilt from the checkpoint's run_state.h5; "" = kept as it is
+    aside_tag: str = ""  # the existing run.h5 is renamed run.h5.<tag>-<time>; "" = there is none
+    warnings: list[str] = field(default_factory=list)  # checkpoints skipped and why
 
 
 def agree(group, value, src: int = 0):
@@ -16,15 +34,98 @@ def agree(group, value, src: int = 0):
     return box[0]
 
 
-def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
-    """The checkpoint to resume from, refusing one whose config differs (ConfigError)."""
-    found = checkpoint.latest_usable(run_dir, warn)
-    if found is None:
-        return None
-    stored = checkpoint.read_json(found[1], "config.json")
+def agree_plan(cfg: Config, rank: int) -> ResumePlan:
+    """Rank 0's plan on every rank of the job, so that train and reward ranks resume from one
+    checkpoint; rank 0's ConfigError or RunFileLostError (any other failure as a RuntimeError)
+    is raised on every rank."""
+    outcome = None
+    if rank == 0:
+        warnings: list[str] = []
+        try:
+            plan = plan_resume(cfg, cfg.run_dir, warnings.append)
+            plan.warnings = warnings
+            outcome = (plan, None)
+        except (ConfigError, RunFileLostError) as e:
+            outcome = (None, e)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for a plan that never comes
+            outcome = (None, RuntimeError(one_line(e)))
+    box = [outcome]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    plan, error = box[0]
+    if error is not None:
+        raise error
+    return plan
+
+
+def _check_config(cfg: Config, run_dir: str, path: str) -> None:
+    stored = checkpoint.read_json(path, "config.json")
     diff = differing_keys(stored, cfg.to_dict())
     if diff:
         flat_old, flat_new = flatten(stored), flatten(cfg.to_dict())
         detail = ", ".join(f"{k} ({flat_old.get(k)!r} -> {flat_new.get(k)!r})" for k in diff)
         raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in {detail}")
+
+
+def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
+    """The checkpoint to resume from, refusing one whose config differs (ConfigError)."""
+    found = checkpoint.latest_usable(run_dir, warn)
+    if found is not None:
+        _check_config(cfg, run_dir, found[1])
     return found
+
+
+def run_file_trouble(path: str, run_id: str | None, step: int) -> tuple[str, str]:
+    """(why run.h5 cannot carry on from checkpoint `step`, the tag it is set aside with), or
+    ("", "") when it can. `run_id` is the checkpoints' run id (None: unknown, not compared)."""
+    if not os.path.lexists(path):
+        return "is missing", ""
+    try:
+        run = read_run(path)
+    except RunFileError as e:
+        return f"is damaged ({str(e).replace(path + ': ', '')})", "damaged"
+    theirs = run.attrs.get(run_state.RUN_ID)
+    if run_id is not None and theirs != run_id:
+        return f"belongs to another run (run id {theirs or 'none'}, the checkpoints' {run_id})", "other-run"
+    last = run_state.last_step(run)
+    if last < step:
+        return f"ends at step {last}, before the checkpoint of step {step}", "stale"
+    return "", ""
+
+
+def _rebuild_source(run_dir: str, found: tuple[int, str]):
+    """The newest usable checkpoint, not newer than `found`, whose run_state.h5 can rebuild
+    run.h5, and [(path, why)] of the newer ones whose copy cannot."""
+    skipped = []
+    for step, path in reversed(checkpoint.list_checkpoints(run_dir)):
+        if step > found[0] or (step < found[0] and checkpoint.problems(path) is not None):
+            continue
+        why = run_state.problems(path, step)
+        if why is None:
+            return (step, path), skipped
+        skipped.append((path, why))
+    return None, skipped
+
+
+def plan_resume(cfg: Config, run_dir: str, warn) -> ResumePlan:
+    """Where the run resumes and whether run.h5 is rebuilt first. Raises ConfigError (another
+    config) and RunFileLostError (run.h5 unusable, nothing to rebuild it from)."""
+    found = check_resumable(cfg, run_dir, warn)
+    if found is None:
+        return ResumePlan(None)
+    source, skipped = _rebuild_source(run_dir, found)
+    run_id = read_run(run_state.run_state_path(source[1])).attrs.get(run_state.RUN_ID) if source else None
+    run_h5 = os.path.join(run_dir, "run.h5")
+    why, tag = run_file_trouble(run_h5, run_id, found[0])
+    if not why:
+        return ResumePlan(found)
+    if source is None:
+        reason = f" ({skipped[0][1]})" if skipped else ""
+        raise RunFileLostError(f"run dir {run_dir!r}: run.h5 {why}, and no checkpoint holds a copy to rebuild it "
+                               f"from{reason}; restore run.h5 (e.g. from a backup), or start over with another "
+                               f"--run-dir")
+    for path, reason in skipped:
+        warn(f"skipping checkpoint {path} for rebuilding run.h5: {reason}")
+    if source != found:
+        _check_config(cfg, run_dir, source[1])
+    return ResumePlan(source, why, tag)

@@ -14,6 +14,7 @@ from hpcnft.io import checkpoint
 from hpcnft.models.loading import load_pickscore, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import log
+from hpcnft.run.resume import ResumePlan
 
 
 def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
@@ -22,9 +23,14 @@ def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
     return levers.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
 
 
-def reward_main(cfg: Config, topo, flag: PreemptFlag) -> int:
+def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
+    # Seeded as the train ranks are: the RNG states this rank snapshots into checkpoints and
+    # run.h5 are then the same in every run of a config, as theirs are.
+    determinism.seed_globals(cfg.train.seed)
     score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
-    found = checkpoint.latest_usable(cfg.run_dir, log.warning)
+    for text in plan.warnings:
+        log.warning(text)
+    found = plan.checkpoint  # the train ranks' checkpoint
     blob = checkpoint.read_rng(found[1], topo.rank) if found else None
     if blob is not None:
         determinism.restore_rng_state(blob)

@@ -87,20 +87,24 @@ def tiny_models_built(cfg) -> bool:
 
 
 def check_existing_run(cfg) -> None:
-    """A run dir that already holds a run may only be resumed with a compatible config."""
+    """A run dir that already holds a run may only be resumed with a compatible config, and
+    its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it)."""
     from hpcnft.common.config import ConfigError, differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
 
     try:
         resumable = False
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            from hpcnft.run.resume import check_resumable
+            from hpcnft.run.resume import RunFileLostError, plan_resume
 
-            resumable = check_resumable(cfg, cfg.run_dir, warn=lambda _text: None) is not None
+            try:
+                resumable = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None).checkpoint is not None
+            except RunFileLostError as e:
+                raise UsageError(str(e)) from None
         path = os.path.join(cfg.run_dir, "run.h5")
-        if os.path.lexists(path):
+        if not resumable and os.path.lexists(path):
             stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
-            diff = [] if resumable else differing_keys(stored, cfg.to_dict())
+            diff = differing_keys(stored, cfg.to_dict())
             if diff:
                 raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                                  f"({', '.join(diff[:5])}); choose another --run-dir")

@@ -1,0 +1,138 @@
+"""hpcnft.run.resume.plan_resume and the preflight: run.h5 is kept when it carries on from the
+newest checkpoint, rebuilt when it is missing, damaged, another run's or ends before the
+checkpoint (from the newest checkpoint whose copy is usable), and the start is refused in one
+line when no checkpoint holds a copy."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hardening_tools import make_checkpoint, writer_made_run
+from hpcnft.common.config import load_config
+from hpcnft.common.errors import UsageError
+from hpcnft.io import run_state, runfile
+from hpcnft.io.run_writer import RunFileWriter
+from hpcnft.run.resume import RunFileLostError, plan_resume
+from hpcnft.run.rundir import check_existing_run
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
+
+
+@pytest.fixture
+def run(tmp_path):
+    """(cfg, {step: checkpoint}) of a run dir with checkpoints 1 and 2, each with its copy of
+    run.h5 as the job writes it."""
+    cfg = load_config("tiny", steps=4)
+    cfg.run_dir = str(tmp_path / "run")
+    os.makedirs(cfg.run_dir)
+    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test")
+    ckpts = {}
+    for step in (1, 2):
+        w.append_metrics(step, {k: step + 0.5 for k in runfile.PER_STEP_KEYS})
+        ckpts[step] = make_checkpoint(cfg.run_dir, step, keep=5)
+        with open(os.path.join(ckpts[step], "config.json"), "w") as f:
+            f.write(cfg.to_json())
+        w.snapshot(run_state.run_state_path(ckpts[step]), (step, "checkpoint", ckpts[step]))
+    w.close()
+    return cfg, ckpts
+
+
+def _plan(cfg):
+    warnings = []
+    return plan_resume(cfg, cfg.run_dir, warnings.append), warnings
+
+
+def test_a_run_file_that_carries_on_is_kept(run):
+    cfg, ckpts = run
+    plan, warnings = _plan(cfg)
+    assert plan.checkpoint == (2, ckpts[2]) and plan.rebuild_why == "" and warnings == []
+    check_existing_run(cfg)
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 3])
+
+
+def _rows_to_step_1(path):
+    w = RunFileWriter(path, "{}", "test")
+    w.truncate_after(1)
+    w.close()
+
+
+@pytest.mark.parametrize("damage,why,tag", [
+    (os.remove, "is missing", ""),
+    (_truncate, "is damaged (", "damaged"),
+    (lambda p: (os.remove(p), writer_made_run(p)), "belongs to another run (run id ", "other-run"),
+    (_rows_to_step_1, "ends at step 1, before the checkpoint of step 2", "stale")])
+def test_an_unusable_run_file_is_rebuilt_from_the_newest_checkpoint(run, damage, why, tag):
+    cfg, ckpts = run
+    damage(os.path.join(cfg.run_dir, "run.h5"))
+    plan, warnings = _plan(cfg)
+    assert plan.checkpoint == (2, ckpts[2]) and plan.rebuild_why.startswith(why) and plan.aside_tag == tag
+    assert warnings == []
+    check_existing_run(cfg)  # the preflight lets the job rebuild it
+
+
+def test_a_newer_checkpoint_whose_copy_is_unusable_gives_way_to_an_older_one(run):
+    cfg, ckpts = run
+    os.remove(os.path.join(cfg.run_dir, "run.h5"))
+    _truncate(run_state.run_state_path(ckpts[2]))
+    plan, warnings = _plan(cfg)
+    assert plan.checkpoint == (1, ckpts[1]) and plan.rebuild_why == "is missing"
+    assert len(warnings) == 1 and warnings[0].startswith(f"skipping checkpoint {ckpts[2]} for rebuilding run.h5: ")
+
+
+def test_a_usable_run_file_needs_no_copy(run):
+    cfg, ckpts = run
+    for path in ckpts.values():  # checkpoints of a version before the copies
+        os.remove(run_state.run_state_path(path))
+    plan, _ = _plan(cfg)
+    assert plan.checkpoint == (2, ckpts[2]) and plan.rebuild_why == ""
+
+
+def test_without_any_copy_a_lost_run_file_is_refused_in_one_line(run):
+    cfg, ckpts = run
+    for path in ckpts.values():
+        os.remove(run_state.run_state_path(path))
+    os.remove(os.path.join(cfg.run_dir, "run.h5"))
+    with pytest.raises(RunFileLostError) as e:
+        _plan(cfg)
+    assert "run.h5 is missing" in str(e.value) and "(run_state.h5 is missing)" in str(e.value)
+    with pytest.raises(UsageError) as e:
+        check_existing_run(cfg)
+    line = str(e.value)
+    assert len(line.splitlines()) == 1 and repr(cfg.run_dir) in line and "restore run.h5" in line
+
+
+def test_a_damaged_run_file_without_checkpoints_is_still_refused(tmp_path):
+    cfg = load_config("tiny", steps=4)
+    cfg.run_dir = str(tmp_path / "run")
+    os.makedirs(cfg.run_dir)
+    path = os.path.join(cfg.run_dir, "run.h5")
+    writer_made_run(path)
+    _truncate(path)
+    assert plan_resume(cfg, cfg.run_dir, lambda _t: None).checkpoint is None
+    with pytest.raises(UsageError, match="run.h5"):
+        check_existing_run(cfg)
+
+
+def test_rank_0s_plan_carries_the_skipped_checkpoints_and_its_failures_are_raised(run, monkeypatch):
+    from hpcnft.run import resume
+
+    cfg, ckpts = run
+    os.remove(os.path.join(ckpts[2], "COMPLETE"))
+    plan = resume.agree_plan(cfg, 0)
+    assert plan.checkpoint == (1, ckpts[1])
+    assert plan.warnings == [f"skipping checkpoint {ckpts[2]}: no COMPLETE marker"]
+    os.remove(os.path.join(cfg.run_dir, "run.h5"))
+    os.remove(run_state.run_state_path(ckpts[1]))
+    with pytest.raises(RunFileLostError, match="run.h5 is missing"):
+        resume.agree_plan(cfg, 0)
+
+    def broken(*_args):
+        raise OSError("Input/output error\nwith a second line")
+    monkeypatch.setattr(resume, "plan_resume", broken)
+    with pytest.raises(RuntimeError, match=r"^OSError: Input/output error$"):
+        resume.agree_plan(cfg, 0)
