@@ -78,6 +78,9 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
+    log.info("collectives bind %s (GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME %s); master %s",
+             os.environ.get("GLOO_SOCKET_IFNAME") or "the backend's default interface",
+             os.environ.get("NCCL_SOCKET_IFNAME") or "unset", info.endpoint)
     try:
         if cfg.samples_per_step % len(topo.train_ranks):
             raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
