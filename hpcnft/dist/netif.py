@@ -12,6 +12,7 @@ table as arguments; `local_interfaces` and `resolve` read them from this node.
 from __future__ import annotations
 
 import ipaddress
+import re
 import os
 import socket
 from typing import Mapping, MutableMapping, Sequence
@@ -109,3 +110,21 @@ def route_to(master_addr: str, interfaces: Mapping[str, Sequence[str]] | None = 
     name = interface_holding(source, local_interfaces() if interfaces is None else interfaces)
     shown = target if target == master_addr else f"{master_addr} = {target}"
     return f"{shown} from interface {name or '?'} ({source}) of {socket.gethostname()}"
+
+
+_PEER_RE = re.compile(r"peer \[([^\]]+)\]")
+
+
+def peers_named(text: str, hosts: Sequence[str], resolve_host=None) -> str:
+    """Who the peers an error names by address are: ``node3 (rank 2)`` for each address in
+    ``peer [ADDR]`` (gloo's wording) that one of the job's HOSTS (rank -> hostname) resolves to;
+    "" when none is known. A lost connection then says which rank on which node went away."""
+    resolve_host = resolve_host or resolve
+    found: list[str] = []
+    for addr in dict.fromkeys(_plain(a) for a in _PEER_RE.findall(text)):
+        for host in dict.fromkeys(hosts):
+            if addr in {_plain(a) for a in resolve_host(host)}:
+                ranks = [str(r) for r, h in enumerate(hosts) if h == host]
+                found.append(f"{host} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)})")
+                break
+    return ", ".join(found)

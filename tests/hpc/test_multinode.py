@@ -6,15 +6,23 @@ with its own name, address and slurmd: tools/local_slurm.sh with HPCNFT_SLURM_NO
   2  sbatch --nodes=3 --ntasks-per-node=1 slurm/tiny.sbatch (2+1, one rank per node)
   3  sbatch --nodes=3 --ntasks=5 slurm/tiny.sbatch (4+1, uneven over the nodes)
   4  a rank on one node that cannot reach the master: one line naming the address and interface
+  5  SIGUSR2 to the ranks of a 2+1 job over three nodes: checkpoint, requeue, resume, identical
+  6  a node lost mid-run (its slurmd and every process in its namespace killed): the job ends
+     non-zero within layout.timeout_s + 60 s naming the rank and host; submitted again (the
+     node back), it resumes from the last checkpoint, identical
 
-2 and 3 are compared bit for bit (every non-perf metric series) with the local spawner's run of
-the same layout (2 steps: the multi-node tests are kept short for CI).
+2, 3, 5 and 6 are compared bit for bit (every non-perf metric series) with the local spawner's run of
+the same layout (2 steps for 2 and 3; 5 and 6 run the cheaper steps of test_launchers' SHORT_SET:
+the multi-node tests are kept short for CI).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -35,12 +43,17 @@ _l = _load("hpcnft_hpc_launchers", "test_launchers.py")
 PY, TINY_SBATCH, RUN_TIMEOUT = _l.PY, _l.TINY_SBATCH, _l.RUN_TIMEOUT
 base_env, run_cmd, diagnose, set_args = _l.base_env, _l.run_cmd, _l.diagnose, _l.set_args
 local_reference, check_attempts, sbatch_job, wait = _l.local_reference, _l.check_attempts, _l.sbatch_job, _l.wait
+SHORT_SET, wait_for_job_step, ranks_up, wait_until = _l.SHORT_SET, _l.wait_for_job_step, _l.ranks_up, _l.wait_until
+sacct_states, job_output, LONG_TIMEOUT = _l.sacct_states, _l.job_output, _l.LONG_TIMEOUT
 assert_same_metrics, read_run, job_state, TERMINAL, _run = (_l.assert_same_metrics, _l.read_run, _l.job_state,
                                                             _l.TERMINAL, _l._run)
 
 STEPS = 2
 WIDE = ["layout.train_ranks=4"]  # 4 train + 1 reward; 16 samples a step split over 4 train ranks
 NODE_IFACE = "eth0"  # each node's end of its veth pair (tools/local_slurm.sh)
+SHORT_STEPS = 20     # tests 5 and 6: long enough to be interrupted mid-run
+LOST_TIMEOUT_S = 30  # test 6's layout.timeout_s
+ONE_PER_NODE = ["--nodes=3", "--ntasks-per-node=1"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,6 +75,11 @@ def ref_3(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def ref_5(tmp_path_factory) -> str:
     return local_reference(tmp_path_factory, "mn-ref5", STEPS, WIDE)
+
+
+@pytest.fixture(scope="module")
+def ref_short(tmp_path_factory) -> str:
+    return local_reference(tmp_path_factory, "mn-ref-short", SHORT_STEPS, SHORT_SET)
 
 
 @pytest.fixture
@@ -140,3 +158,77 @@ def test_a_rank_that_cannot_reach_the_master_names_address_and_interface(multino
     line = next(x for x in out.splitlines() if x.startswith("hpcnft: rank 1 cannot rendezvous"))
     assert line.startswith("hpcnft: rank 1 cannot rendezvous at 10.213.0.99:29999 (10.213.0.99 from interface "
                            f"{NODE_IFACE} (10.213.0.12) of node2): "), out
+
+
+def test_sigusr2_over_three_nodes_checkpoints_requeues_resumes_identical(multinode_cluster, ref_short, tmp_path,
+                                                                           jobs):
+    run_dir = tmp_path / "run"
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, SHORT_SET, cwd=tmp_path, args=ONE_PER_NODE)
+    jobs.append(job)
+    wait_until("every rank up", lambda: ranks_up(run_dir), RUN_TIMEOUT, lambda: diagnose(run_dir, job))
+    at = wait_for_job_step(job, 1, run_dir)
+    assert at < SHORT_STEPS - 2, f"the run was already at step {at}: too late to interrupt"
+    p = _run(["scancel", "--signal=USR2", job])  # every rank, on every node (not the batch shell)
+    assert p.returncode == 0, p.stderr
+    state = wait(job, timeout=LONG_TIMEOUT)
+    assert state == "COMPLETED", diagnose(run_dir, job)
+    assert "REQUEUED" in sacct_states(job), sacct_states(job)
+    check_attempts(run_dir, [0, 1], job, "slurm")
+    kinds = [e["kind"] for e in read_run(str(run_dir)).events]
+    assert "signal" in kinds and "resume" in kinds, kinds
+    assert_same_metrics(ref_short, str(run_dir))
+
+
+def node_namespace(node: str) -> str:
+    """The network namespace tools/local_slurm.sh runs NODE in."""
+    for line in _run(["ip", "netns", "list"]).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if name.startswith("hpcnft-") and name.endswith(f"-{node}"):
+            return name
+    pytest.fail(f"no network namespace of {node} (ip netns list)")
+
+
+def kill_node(node: str) -> list[int]:
+    """SIGKILL everything running on NODE: its slurmd, slurmstepd and the job's processes (all
+    of them started in the node's namespace by this cluster)."""
+    pids = [int(x) for x in _run(["ip", "netns", "pids", node_namespace(node)]).stdout.split()]
+    for pid in pids:
+        subprocess.run(["kill", "-9", str(pid)], capture_output=True)
+    return pids
+
+
+def revive_node(slurm_dir: Path) -> None:
+    """start is idempotent: it starts the slurmd that is missing and waits for every node idle."""
+    hpc = _l._hpc
+    p = _run(["bash", str(hpc.LOCAL_SLURM), str(slurm_dir), "start"], timeout=300,
+             env=dict(base_env(), **hpc.MULTINODE_KNOBS))
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_a_node_lost_mid_run_ends_the_job_naming_rank_and_host_and_it_resumes(multinode_cluster, ref_short,
+                                                                             tmp_path, jobs):
+    run_dir = tmp_path / "run"
+    overrides = SHORT_SET + [f"layout.timeout_s={LOST_TIMEOUT_S}"]
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, overrides, cwd=tmp_path, args=ONE_PER_NODE)
+    jobs.append(job)
+    wait_for_job_step(job, 2, run_dir)
+    killed = kill_node("node3")  # the reward rank's node
+    t_lost = time.monotonic()
+    state = wait(job, timeout=LOST_TIMEOUT_S + 60 + 60)
+    ended_after = time.monotonic() - t_lost
+    slurm_dir = Path(os.environ["SLURM_CONF"]).parents[1]  # DIR/etc/slurm.conf
+    try:
+        assert state not in ("COMPLETED", "RUNNING", "PENDING"), (state, diagnose(run_dir, job))
+        assert ended_after <= LOST_TIMEOUT_S + 60, f"ended {ended_after:.0f} s after the node was lost"
+        out = job_output(job)
+        assert re.search(r"hpcnft: rank \d+ (on|\()?.*node\d", out), f"killed {killed}\n{out[-4000:]}"
+    finally:
+        revive_node(slurm_dir)
+    # started again on the whole cluster: resumes from the last checkpoint, same numbers
+    again = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, overrides, cwd=tmp_path,
+                       args=ONE_PER_NODE)
+    jobs.append(again)
+    state = wait(again, timeout=LONG_TIMEOUT)
+    assert state == "COMPLETED", diagnose(run_dir, again)
+    assert "resume" in [e["kind"] for e in read_run(str(run_dir)).events]
+    assert_same_metrics(ref_short, str(run_dir))

@@ -68,3 +68,31 @@ def test_a_failed_rendezvous_names_the_route_it_took():
     assert str(rendezvous_error(late, info, route)) == (
         "rank 2 cannot rendezvous at node1:20042 (node1 = 10.213.0.11 from interface eth0 (10.213.0.13) of node3): "
         "Timed out after 30 seconds waiting for clients.")
+
+
+def test_a_peer_address_in_an_error_is_named_by_its_rank_and_host():
+    hosts = ["node1", "node2", "node3", "node3"]
+    table = {"node1": ["10.213.0.11"], "node2": ["10.213.0.12"], "node3": ["10.213.0.13", "fd00::13"]}
+    text = ("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.213.0.13]:41092. This is typically "
+            "caused by a remote worker crashing.")
+    assert netif.peers_named(text, hosts, table.get) == "node3 (ranks 2, 3)"
+    assert netif.peers_named("closed by peer [10.213.0.12]:1", hosts, table.get) == "node2 (rank 1)"
+    assert netif.peers_named("closed by peer [fd00::13]:1", hosts, table.get) == "node3 (ranks 2, 3)"
+    assert netif.peers_named("closed by peer [10.9.9.9]:1", hosts, table.get) == ""
+    assert netif.peers_named("Timed out waiting", hosts, table.get) == ""
+
+
+def test_a_failure_across_nodes_names_this_ranks_host_and_the_lost_peer(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpcnft.run.output import fail_line
+
+    table = {"node1": ["10.213.0.11"], "node2": ["10.213.0.12"], "node3": ["10.213.0.13"]}
+    monkeypatch.setattr(netif, "resolve", lambda host: table.get(host, []))
+    topo = SimpleNamespace(rank=1, role="train", hosts=["node1", "node2", "node3"])
+    e = RuntimeError("[pair.cc:553] Connection closed by peer [10.213.0.13]:41092. This is typically caused")
+    assert fail_line(topo, e) == ("rank 1 (train) on node2: RuntimeError: [pair.cc:553] Connection closed by peer "
+                                  "[10.213.0.13]:41092. This is typically caused [peer: node3 (rank 2)]")
+    # one host: the line stays as it was
+    assert fail_line(SimpleNamespace(rank=1, role="train", hosts=["vm"] * 3), e).startswith(
+        "rank 1 (train): RuntimeError: ")
