@@ -11,7 +11,7 @@ with its own name, address and slurmd: tools/local_slurm.sh with HPCNFT_SLURM_NO
      non-zero within layout.timeout_s + 60 s naming the rank and host; submitted again (the
      node back), it resumes from the last checkpoint, identical
 
-2, 3, 5 and 6 are compared bit for bit (every non-perf metric series) with the local spawner's run of
+2, 3, 5, 6 and 7 are compared bit for bit (every non-perf metric series) with the local spawner's run of
 the same layout (2 steps for 2 and 3; 5 and 6 run the cheaper steps of test_launchers' SHORT_SET:
 the multi-node tests are kept short for CI).
 """
@@ -209,8 +209,7 @@ def test_a_node_lost_mid_run_ends_the_job_naming_rank_and_host_and_it_resumes(mu
                                                                              tmp_path, jobs):
     """node3 (the reward rank's) is killed at step 2. The train ranks fail at once, naming their
     host and the lost peer's rank and host; srun ends the attempt when Slurm declares the node
-    failed. Slurm requeues the job (--requeue) and it waits for nodes; with node3 back it runs
-    again and resumes from the last checkpoint."""
+    failed. With node3 back, the run started again resumes from the last checkpoint."""
     run_dir = tmp_path / "run"
     overrides = SHORT_SET + [f"layout.timeout_s={LOST_TIMEOUT_S}"]
     job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, overrides, cwd=tmp_path, args=ONE_PER_NODE)
@@ -229,12 +228,33 @@ def test_a_node_lost_mid_run_ends_the_job_naming_rank_and_host_and_it_resumes(mu
         assert re.search(r"^hpcnft: rank [01] \(train\) on node[12]: .*\[peer: node3 \(rank 2\)\]", out, re.M), \
             f"killed {killed}\n{out[-4000:]}"
     finally:
+        # Slurm requeues the job (--requeue); it is cancelled here, so that the node's return
+        # cannot meet a requeued attempt half started, and the run is started again as a new job
+        _run(["scancel", job])
+        wait(job, timeout=120)
         revive_node(slurm_dir)
-    if job_state(job) in TERMINAL:  # not requeued by Slurm: the user starts it again
-        job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, overrides, cwd=tmp_path,
-                         args=ONE_PER_NODE)
-        jobs.append(job)
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, overrides, cwd=tmp_path, args=ONE_PER_NODE)
+    jobs.append(job)
     state = wait(job, timeout=LONG_TIMEOUT)
     assert state == "COMPLETED", diagnose(run_dir, job)
     assert "resume" in [e["kind"] for e in read_run(str(run_dir)).events]
     assert_same_metrics(ref_short, str(run_dir))
+
+
+def test_submit_through_submitit_over_three_nodes_identical(multinode_cluster, ref_3, tmp_path):
+    from hpcnft.run.submit import submit
+
+    run_dir = tmp_path / "run"
+    job = submit("tiny", cluster="slurm", steps=STEPS, nodes=3, tasks_per_node=1, run_dir=str(run_dir),
+                 timeout_min=15)
+    try:
+        wait_until(f"submitit job {job.job_id}", job.done, RUN_TIMEOUT, lambda: diagnose(run_dir), poll=2)
+        job.results()  # every task's; raises with the failing task's error
+    except Exception as e:  # noqa: BLE001 - the assertion shows what went wrong
+        pytest.fail(f"submitit job {job.job_id} failed: {e}\n{diagnose(run_dir)}")
+    finally:
+        if job_state(job.job_id) not in TERMINAL:
+            _run(["scancel", job.job_id])
+    assert_same_metrics(ref_3, str(run_dir))
+    check_attempts(run_dir, [0], job.job_id, "submitit")
+    assert topology(run_dir)["hosts"] == ["node1", "node2", "node3"]
