@@ -104,12 +104,12 @@ LOG="$DIR/log"
 if ! [[ "$NODES" =~ ^[1-9][0-9]{0,2}$ ]] || [ "$NODES" -gt 200 ]; then
   echo "local_slurm.sh: HPCNFT_SLURM_NODES=$NODES is not a node count from 1 to 200" >&2; exit 2
 fi
-if ! [[ "$NET" =~ ^(10|172|192)\.([0-9]{1,3})\.([0-9]{1,3})$ ]] || [ "${BASH_REMATCH[2]}" -gt 255 ] \
-   || [ "${BASH_REMATCH[3]}" -gt 255 ]; then
+if ! [[ "$NET" =~ ^(10\.[0-9]{1,3}|172\.(1[6-9]|2[0-9]|3[01])|192\.168)\.([0-9]{1,3})$ ]] \
+   || [ "$(echo "$NET" | cut -d. -f2)" -gt 255 ] || [ "${BASH_REMATCH[3]}" -gt 255 ]; then
   echo "local_slurm.sh: SLURM_NET=$NET is not the first three numbers of a private /24 (e.g. 10.213.0)" >&2; exit 2
 fi
 # names of what the multi-node network is made of; link names have at most 15 characters
-NET_TAG="h${BASH_REMATCH[2]}x${BASH_REMATCH[3]}"
+NET_TAG="h$(echo "$NET" | cut -d. -f2)x$(echo "$NET" | cut -d. -f3)"
 if ! [[ "$NODE_PREFIX" =~ ^[a-z][a-z0-9-]{0,20}$ ]]; then
   echo "local_slurm.sh: SLURM_NODE_PREFIX=$NODE_PREFIX is not a host name prefix (a-z, 0-9, -)" >&2; exit 2
 fi
