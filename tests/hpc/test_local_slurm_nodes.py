@@ -19,7 +19,7 @@ KNOBS = {"HPCNFT_SLURM_NODES": "2", "SLURM_NET": "10.214.7", "SLURM_NODE_PREFIX"
 
 
 def script(slurm_dir, action: str, timeout: float = 300, **extra) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **KNOBS, **extra)
+    env = {**os.environ, **KNOBS, **extra}
     env.pop("SLURM_CONF", None)
     return subprocess.run(["bash", str(LOCAL_SLURM), str(slurm_dir), action], capture_output=True, text=True,
                           timeout=timeout, env=env)
