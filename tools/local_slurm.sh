@@ -415,6 +415,12 @@ StorageLoc=slurm_acct_db
 EOF
   chmod 600 "$DIR/etc/slurmdbd.conf"
 fi
+if [ "$NODES" != 1 ]; then
+  # PMIx's per-step client folders: DIR/pmix, which each node mounts from a folder of its own
+  printf 'PMIxCliTmpDirBase=%s\n' "$DIR/pmix" > "$DIR/etc/mpi.conf"
+else
+  rm -f "$DIR/etc/mpi.conf"
+fi
 printf 'export SLURM_CONF=%q\n' "$SLURM_CONF" > "$DIR/env.sh"
 if [ "$LINK_ETC" = 1 ]; then
   mkdir -p /etc/slurm
@@ -511,8 +517,12 @@ else
       # jobs it starts inherit both, so `hostname` on a node says nodeK, as on a real cluster.
       # nsenter, not `ip netns exec`, which mounts a sysfs of its own and so hides
       # /sys/fs/cgroup, without which slurmd does not start
-      nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts \
-        sh -c 'hostname "$1" && exec /usr/sbin/slurmd -f "$2" -N "$1"' sh "$name" "$SLURM_CONF"
+      # A mount namespace too, where DIR/pmix is the node's own folder: PMIx (srun --mpi=pmix)
+      # makes per-step folders named by job and step only, which would collide on the shared /tmp.
+      mkdir -p "$DIR/nodes/$name/pmix" "$DIR/pmix"
+      nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts --mount \
+        sh -c 'hostname "$1" && mount --bind "$3" "$4" && exec /usr/sbin/slurmd -f "$2" -N "$1"' \
+        sh "$name" "$SLURM_CONF" "$DIR/nodes/$name/pmix" "$DIR/pmix"
       P=$(wait_pidfile "$RUN/slurmd-$name.pid" slurmd) || { tail -20 "$LOG/slurmd-$name.log" >&2; exit 1; }
       log "slurmd $name started (pid $P)"
     fi

@@ -11,7 +11,7 @@ with its own name, address and slurmd: tools/local_slurm.sh with HPCNFT_SLURM_NO
      non-zero within layout.timeout_s + 60 s naming the rank and host; submitted again (the
      node back), it resumes from the last checkpoint, identical
 
-2, 3, 5, 6 and 7 are compared bit for bit (every non-perf metric series) with the local spawner's run of
+2, 3, 5, 6, 7 and 8 are compared bit for bit (every non-perf metric series) with the local spawner's run of
 the same layout (2 steps for 2 and 3; 5 and 6 run the cheaper steps of test_launchers' SHORT_SET:
 the multi-node tests are kept short for CI).
 """
@@ -258,3 +258,18 @@ def test_submit_through_submitit_over_three_nodes_identical(multinode_cluster, r
     assert_same_metrics(ref_3, str(run_dir))
     check_attempts(run_dir, [0], job.job_id, "submitit")
     assert topology(run_dir)["hosts"] == ["node1", "node2", "node3"]
+
+
+def test_srun_pmix_over_three_nodes_identical(multinode_cluster, ref_3, tmp_path):
+    pytest.importorskip("mpi4py", reason="srun --mpi=pmix ranks take the world size from MPI (mpi4py)")
+    run_dir = tmp_path / "run"
+    name = f"hpcnft-pmix-{uuid.uuid4().hex[:8]}"
+    code, out = run_cmd(["srun", "--mpi=pmix", "--nodes=3", "--ntasks-per-node=1", "--cpus-per-task=1",
+                         "--kill-on-bad-exit=1", f"--job-name={name}", "--time=00:10:00",
+                         PY, "-m", "hpcnft", "run", "tiny", "--steps", STEPS, "--run-dir", run_dir],
+                        timeout=RUN_TIMEOUT, cwd=tmp_path, env=base_env(),
+                        on_timeout=lambda: _run(["scancel", f"--name={name}"]))
+    assert code == 0, f"srun exited {code}:\n{out[-6000:]}\n{diagnose(run_dir)}"
+    assert_same_metrics(ref_3, str(run_dir))
+    topo = topology(run_dir)
+    assert topo["launcher"] == "pmix" and topo["hosts"] == ["node1", "node2", "node3"], topo
