@@ -11,7 +11,7 @@ with its own name, address and slurmd: tools/local_slurm.sh with HPCNFT_SLURM_NO
      non-zero within layout.timeout_s + 60 s naming the rank and host; submitted again (the
      node back), it resumes from the last checkpoint, identical
 
-2, 3, 5, 6, 7 and 8 are compared bit for bit (every non-perf metric series) with the local spawner's run of
+2, 3 and 5-9 are compared bit for bit (every non-perf metric series) with the local spawner's run of
 the same layout (2 steps for 2 and 3; 5 and 6 run the cheaper steps of test_launchers' SHORT_SET:
 the multi-node tests are kept short for CI).
 """
@@ -21,6 +21,8 @@ import importlib.util
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import time
 import uuid
@@ -273,3 +275,25 @@ def test_srun_pmix_over_three_nodes_identical(multinode_cluster, ref_3, tmp_path
     assert_same_metrics(ref_3, str(run_dir))
     topo = topology(run_dir)
     assert topo["launcher"] == "pmix" and topo["hosts"] == ["node1", "node2", "node3"], topo
+
+
+MPIRUN_OVER_NODES = """#!/bin/bash
+#SBATCH --time=00:10:00
+#SBATCH --output=mpirun-%j.out
+mpirun --allow-run-as-root -np 3 --map-by ppr:1:node {py} -m hpcnft run tiny --steps {steps} --run-dir {run_dir}
+"""
+
+
+def test_mpirun_inside_a_three_node_allocation_identical(multinode_cluster, ref_3, tmp_path, jobs):
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun not installed (tools/local_slurm.sh installs Open MPI)")
+    pytest.importorskip("mpi4py", reason="mpirun ranks across nodes learn rank 0's address over MPI (mpi4py)")
+    run_dir = tmp_path / "run"
+    script = MPIRUN_OVER_NODES.format(py=shlex.quote(PY), steps=STEPS, run_dir=shlex.quote(str(run_dir)))
+    job = multinode_cluster.submit(script, cwd=tmp_path, args=ONE_PER_NODE)
+    jobs.append(job)
+    state = wait(job, timeout=RUN_TIMEOUT)
+    assert state == "COMPLETED", diagnose(run_dir, job)
+    assert_same_metrics(ref_3, str(run_dir))
+    topo = topology(run_dir)
+    assert topo["launcher"] == "openmpi" and topo["hosts"] == ["node1", "node2", "node3"], topo
