@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# local_slurm.sh — a real single-node Slurm cluster on localhost, for hpcnft's hpc tests and CI.
+# local_slurm.sh — a real Slurm cluster on this machine, for hpcnft's hpc tests and CI: one node on
+# localhost (the default), or HPCNFT_SLURM_NODES=N nodes, each a network namespace of its own.
 #
 # Usage:
 #   tools/local_slurm.sh [DIR] [start|stop|status|restart]     (defaults: /tmp/hpcnft-slurm start)
@@ -7,7 +8,19 @@
 #
 # Built for Debian 12 (bookworm) with Slurm 22.05 from Debian, run as root, with or without
 # systemd (none of it is used: every daemon is started by hand and self-daemonizes), no cgroup
-# plugins. Everything listens on 127.0.0.1 only.
+# plugins. With one node everything listens on 127.0.0.1 only.
+#
+# Several nodes (HPCNFT_SLURM_NODES=N, N > 1): node K (node1 ... nodeN, SLURM_NODE_PREFIX) is a
+# network namespace with its own hostname (a UTS namespace: `unshare --uts` + hostname) and one
+# slurmd (`slurmd -N nodeK`). Each namespace has one end of a veth pair named eth0 with the
+# address NET.(10+K)/24; the other ends join a bridge in the root namespace that holds NET.1,
+# where slurmctld answers (SlurmctldHost=localhost(NET.1)). NET (SLURM_NET, default 10.213.0) is a
+# private range used only there: no traffic leaves the machine. Every name resolves on every node
+# through a block of /etc/hosts, delimited by "# BEGIN/END hpcnft local_slurm DIR" lines (the
+# namespaces share the file system). slurmctld, slurmdbd, MariaDB and munge run in the root
+# namespace as with one node. What start made is listed in DIR/run/net.list; stop removes exactly
+# that (namespaces, links, the bridge and its address, the hosts block) after killing the
+# slurmds and whatever is left in their namespaces.
 #
 # start (idempotent: whatever is already running is left alone; exit 0 when the node is usable)
 #   1. apt-get install, only what is missing: slurmctld slurmd slurm-client munge
@@ -17,7 +30,7 @@
 #        + hdf5-tools (h5clear, to recover run files of killed SWMR writers)     [WITH_HDF5_TOOLS=1]
 #   2. writes DIR/etc/slurm.conf (+ slurmdbd.conf) and DIR/env.sh
 #   3. starts munged, [mariadbd (private datadir DIR/mysql), slurmdbd], slurmctld, slurmd
-#   4. waits until `sinfo` shows the node idle
+#   4. waits until `sinfo` shows every node idle
 # stop     cancels this cluster's jobs, then kills only the PIDs in DIR/run/*.pid (and munged,
 #          through /run/munge/munged.pid, only if this script started it), newest first,
 #          waiting for each to exit. Never kills anything by name.
@@ -30,7 +43,10 @@
 #                         "Slurm accounting storage is disabled" and submitit's job.state is UNKNOWN)
 #   WITH_MPI=1            install Open MPI (+PMIx) before slurmd starts so mpi/pmix loads
 #   WITH_HDF5_TOOLS=1     install hdf5-tools (h5clear)
-#   SLURM_NODE_CPUS=8     CPUs advertised for the node (oversubscribes the real cores; needs
+#   HPCNFT_SLURM_NODES=1  nodes; more than 1: one network namespace per node (above)
+#   SLURM_NET=10.213.0    the /24 of the nodes' addresses (N > 1): bridge .1, nodeK .(10+K)
+#   SLURM_NODE_PREFIX=node  node names PREFIX1 ... PREFIXN (N > 1)
+#   SLURM_NODE_CPUS=8     CPUs advertised for each node (oversubscribes the real cores; needs
 #                         SlurmdParameters=config_overrides, else the node goes INVAL)
 #   SLURM_NODE_MEM=16000  RealMemory (MB) advertised
 #   SLURM_MIN_JOB_AGE=300 seconds a finished job stays visible to squeue/scontrol
@@ -44,7 +60,8 @@
 #   CANCEL_JOBS_ON_STOP=1 scancel the cluster's jobs before stopping the daemons
 #
 # Files outside DIR it touches: /etc/slurm/slurm.conf (symlink), /etc/munge/munge.key (created by
-# the munge package), /run/munge (munged's socket and pid file).
+# the munge package), /run/munge (munged's socket and pid file), and with N > 1 /etc/hosts (its
+# own delimited block) and /run/netns (ip netns).
 set -euo pipefail
 
 DIR=/tmp/hpcnft-slurm
@@ -74,12 +91,37 @@ SLURMD_PORT=${SLURM_SLURMD_PORT:-6818}
 DBD_PORT=${SLURM_DBD_PORT:-6819}
 MYSQL_PORT=${SLURM_MYSQL_PORT:-6830}
 LINK_ETC=${LINK_ETC:-1}
+NODES=${HPCNFT_SLURM_NODES:-1}
+NET=${SLURM_NET:-10.213.0}
+NODE_PREFIX=${SLURM_NODE_PREFIX:-node}
 CLUSTER=localcluster
 DB_PASS=slurmlocal
 
 export SLURM_CONF="$DIR/etc/slurm.conf"
 RUN="$DIR/run"
 LOG="$DIR/log"
+
+if ! [[ "$NODES" =~ ^[1-9][0-9]{0,2}$ ]] || [ "$NODES" -gt 200 ]; then
+  echo "local_slurm.sh: HPCNFT_SLURM_NODES=$NODES is not a node count from 1 to 200" >&2; exit 2
+fi
+if ! [[ "$NET" =~ ^(10\.[0-9]{1,3}|172\.(1[6-9]|2[0-9]|3[01])|192\.168)\.([0-9]{1,3})$ ]] \
+   || [ "$(echo "$NET" | cut -d. -f2)" -gt 255 ] || [ "${BASH_REMATCH[3]}" -gt 255 ]; then
+  echo "local_slurm.sh: SLURM_NET=$NET is not the first three numbers of a private /24 (e.g. 10.213.0)" >&2; exit 2
+fi
+# names of what the multi-node network is made of; link names have at most 15 characters
+NET_TAG="h$(echo "$NET" | cut -d. -f2)x$(echo "$NET" | cut -d. -f3)"
+if ! [[ "$NODE_PREFIX" =~ ^[a-z][a-z0-9-]{0,20}$ ]]; then
+  echo "local_slurm.sh: SLURM_NODE_PREFIX=$NODE_PREFIX is not a host name prefix (a-z, 0-9, -)" >&2; exit 2
+fi
+BRIDGE="${NET_TAG}br"
+HOSTS_BEGIN="# BEGIN hpcnft local_slurm $DIR"
+HOSTS_END="# END hpcnft local_slurm $DIR"
+NET_LIST="$RUN/net.list"   # what start made, one "KIND NAME" a line, in the order made
+node_name() { echo "$NODE_PREFIX$1"; }
+node_addr() { echo "$NET.$((10 + $1))"; }
+node_ns() { echo "hpcnft-$NET_TAG-$NODE_PREFIX$1"; }
+node_veth() { echo "${NET_TAG}v$1"; }
+if [ "$NODES" = 1 ]; then NODE_LIST=localhost; else NODE_LIST="$NODE_PREFIX[1-$NODES]"; fi
 
 log() { printf '[local_slurm %s] %s\n' "$(date +%T)" "$*" >&2; }
 now() { date +%s.%N; }
@@ -133,6 +175,74 @@ port_in_use() {  # port_in_use PORT: something accepts connections on 127.0.0.1:
   (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
+remove_hosts_block() {  # our block of /etc/hosts, rewritten in place (it is often a bind mount)
+  grep -qxF "$HOSTS_BEGIN" /etc/hosts 2>/dev/null || return 0
+  awk -v b="$HOSTS_BEGIN" -v e="$HOSTS_END" '$0 == b {skip = 1; next} $0 == e {skip = 0; next} !skip' \
+    /etc/hosts > "$RUN/hosts.new"
+  cat "$RUN/hosts.new" > /etc/hosts
+  rm -f "$RUN/hosts.new"
+}
+
+net_record() { mkdir -p "$RUN"; grep -qxF "$*" "$NET_LIST" 2>/dev/null || echo "$*" >> "$NET_LIST"; }
+
+add_net() {  # the nodes' namespaces, links, addresses and names; what exists already is kept
+  local k name ns veth addr
+  net_record link "$BRIDGE"
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip addr replace "$NET.1/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
+  for k in $(seq 1 "$NODES"); do
+    name=$(node_name "$k"); ns=$(node_ns "$k"); veth=$(node_veth "$k"); addr=$(node_addr "$k")
+    net_record netns "$ns"
+    [ -e "/run/netns/$ns" ] || ip netns add "$ns"
+    net_record link "$veth"
+    ip link show "$veth" >/dev/null 2>&1 || ip link add "$veth" type veth peer name eth0 netns "$ns"
+    ip link set "$veth" master "$BRIDGE"
+    ip link set "$veth" up
+    ip -n "$ns" addr replace "$addr/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" link set lo up
+  done
+  net_record hosts /etc/hosts
+  remove_hosts_block
+  {
+    echo "$HOSTS_BEGIN"
+    for k in $(seq 1 "$NODES"); do echo "$(node_addr "$k") $(node_name "$k")"; done
+    echo "$HOSTS_END"
+  } >> /etc/hosts
+  log "network: bridge $BRIDGE $NET.1/24; nodes $(for k in $(seq 1 "$NODES"); do printf '%s=%s ' "$(node_name "$k")" "$(node_addr "$k")"; done)"
+}
+
+remove_net() {  # everything net.list names, newest first; processes left in a namespace are killed
+  local kind name pids
+  [ -f "$NET_LIST" ] || return 0
+  tac "$NET_LIST" | while read -r kind name; do
+    case "$kind" in
+      netns)
+        if [ -e "/run/netns/$name" ]; then
+          pids=$(ip netns pids "$name" 2>/dev/null | tr '\n' ' ' || true)
+          if [ -n "${pids// /}" ]; then
+            log "killing what is left in namespace $name: $pids"
+            # shellcheck disable=SC2086  # a list of pids
+            kill -9 $pids 2>/dev/null || true
+          fi
+          ip netns del "$name" 2>/dev/null || log "could not delete namespace $name"
+        fi ;;
+      link) ! ip link show "$name" >/dev/null 2>&1 || ip link del "$name" || log "could not delete link $name" ;;
+      hosts) remove_hosts_block ;;
+    esac
+  done
+  rm -f "$NET_LIST"
+  log "network removed"
+}
+
+slurmd_pidfiles() {  # NAME:PIDFILE of every slurmd this cluster runs (one per node)
+  local f
+  [ -e "$RUN/slurmd.pid" ] && echo "slurmd:$RUN/slurmd.pid"
+  for f in "$RUN"/slurmd-*.pid; do [ -e "$f" ] && echo "slurmd:$f"; done
+  return 0
+}
+
 do_stop() {
   local jobs
   # cancel this cluster's jobs first, so no slurmstepd/job processes outlive slurmd
@@ -148,7 +258,9 @@ do_stop() {
     fi
   fi
   # Slurm daemons first (they need munge and slurmdbd to shut down cleanly), then the rest
-  stop_pidfiles "slurmd:$RUN/slurmd.pid" "slurmctld:$RUN/slurmctld.pid"
+  # shellcheck disable=SC2046  # one word per pid file
+  stop_pidfiles $(slurmd_pidfiles) "slurmctld:$RUN/slurmctld.pid"
+  remove_net
   stop_pidfiles "slurmdbd:$RUN/slurmdbd.pid" "mariadbd:$RUN/mariadbd.pid"
   if [ -f "$RUN/munged.started-by-us" ]; then
     stop_pidfiles munged:/run/munge/munged.pid
@@ -156,14 +268,17 @@ do_stop() {
   fi
 }
 
-do_status() {
-  local n name f all=0
-  for n in munged:/run/munge/munged.pid mariadbd:$RUN/mariadbd.pid slurmdbd:$RUN/slurmdbd.pid \
-           slurmctld:$RUN/slurmctld.pid slurmd:$RUN/slurmd.pid; do
-    name=${n%%:*}; f=${n#*:}
-    if [ "$WITH_ACCOUNTING" != 1 ] && { [ "$name" = mariadbd ] || [ "$name" = slurmdbd ]; }; then continue; fi
-    if pid_alive "$f" "$name"; then echo "$name: running (pid $(tr -dc '0-9' < "$f"))"
-    else echo "$name: not running"; all=3; fi
+do_status() {  # one line per daemon (a slurmd per node: "slurmd nodeK"), then sinfo
+  local n label name f k all=0
+  local daemons=(munged:/run/munge/munged.pid)
+  [ "$WITH_ACCOUNTING" = 1 ] && daemons+=("mariadbd:$RUN/mariadbd.pid" "slurmdbd:$RUN/slurmdbd.pid")
+  daemons+=("slurmctld:$RUN/slurmctld.pid")
+  if [ "$NODES" = 1 ]; then daemons+=("slurmd:$RUN/slurmd.pid")
+  else for k in $(seq 1 "$NODES"); do daemons+=("slurmd $(node_name "$k"):$RUN/slurmd-$(node_name "$k").pid"); done; fi
+  for n in "${daemons[@]}"; do
+    label=${n%%:*}; f=${n#*:}; name=${label%% *}
+    if pid_alive "$f" "$name"; then echo "$label: running (pid $(tr -dc '0-9' < "$f"))"
+    else echo "$label: not running"; all=3; fi
   done
   if command -v sinfo >/dev/null; then sinfo 2>&1 || all=3; fi
   return $all
@@ -217,10 +332,24 @@ AccountingStoragePort=$DBD_PORT
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=30"
 fi
+# one node: "localhost" on 127.0.0.1; several: nodeK on NET.(10+K), each slurmd with its own
+# pid file, spool and log (%n: the node name), slurmctld reached on the bridge's NET.1
+NODE_SHAPE="CPUs=$NODE_CPUS Sockets=1 CoresPerSocket=$NODE_CPUS ThreadsPerCore=1 RealMemory=$NODE_MEM State=UNKNOWN"
+if [ "$NODES" = 1 ]; then
+  CONF_TITLE='single node "localhost"'
+  CTLD_HOST=localhost
+  SLURMD_FILE=slurmd; SLURMD_SPOOL=$DIR/spool
+  NODE_LINES="NodeName=localhost NodeAddr=127.0.0.1 $NODE_SHAPE"
+else
+  CONF_TITLE="$NODES nodes $NODE_LIST in network namespaces on $NET.0/24"
+  CTLD_HOST="localhost($NET.1)"
+  SLURMD_FILE=slurmd-%n; SLURMD_SPOOL=$DIR/spool/%n
+  NODE_LINES=$(for k in $(seq 1 "$NODES"); do echo "NodeName=$(node_name "$k") NodeAddr=$(node_addr "$k") $NODE_SHAPE"; done)
+fi
 NEW_CONF=$(cat <<EOF
-# generated by hpcnft tools/local_slurm.sh — single node "localhost", no cgroups, no systemd
+# generated by hpcnft tools/local_slurm.sh — $CONF_TITLE, no cgroups, no systemd
 ClusterName=$CLUSTER
-SlurmctldHost=localhost
+SlurmctldHost=$CTLD_HOST
 AuthType=auth/munge
 # cred_expire is also how long a requeued job waits before it is eligible again (default 120)
 AuthInfo=cred_expire=$CRED_EXPIRE
@@ -230,11 +359,11 @@ SlurmdUser=root
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$SLURMD_SPOOL
 SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd.pid
+SlurmdPidFile=$RUN/$SLURMD_FILE.pid
 SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd.log
+SlurmdLogFile=$LOG/$SLURMD_FILE.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -256,8 +385,8 @@ MinJobAge=$MIN_JOB_AGE
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=60
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=$NODE_CPUS Sockets=1 CoresPerSocket=$NODE_CPUS ThreadsPerCore=1 RealMemory=$NODE_MEM State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+$NODE_LINES
+PartitionName=debug Nodes=$NODE_LIST Default=YES MaxTime=INFINITE State=UP
 EOF
 )
 if [ ! -f "$SLURM_CONF" ] || [ "$(cat "$SLURM_CONF")" != "$NEW_CONF" ]; then
@@ -286,6 +415,12 @@ StorageLoc=slurm_acct_db
 EOF
   chmod 600 "$DIR/etc/slurmdbd.conf"
 fi
+if [ "$NODES" != 1 ]; then
+  # PMIx's per-step client folders: DIR/pmix, which each node mounts from a folder of its own
+  printf 'PMIxCliTmpDirBase=%s\n' "$DIR/pmix" > "$DIR/etc/mpi.conf"
+else
+  rm -f "$DIR/etc/mpi.conf"
+fi
 printf 'export SLURM_CONF=%q\n' "$SLURM_CONF" > "$DIR/env.sh"
 if [ "$LINK_ETC" = 1 ]; then
   mkdir -p /etc/slurm
@@ -297,6 +432,10 @@ if [ "$LINK_ETC" = 1 ]; then
 fi
 
 # ---------------------------------------------------------------- 3. daemons
+if [ "$NODES" != 1 ]; then
+  [ "$(id -u)" = 0 ] || { log "HPCNFT_SLURM_NODES=$NODES needs root (ip netns, veth, /etc/hosts)"; exit 1; }
+  add_net
+fi
 # munge (default socket /run/munge/munge.socket.2, which Slurm's auth/munge uses)
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   [ -s /etc/munge/munge.key ] || { mungekey --create --keyfile=/etc/munge/munge.key 2>/dev/null \
@@ -362,27 +501,48 @@ else
   P=$(wait_pidfile "$RUN/slurmctld.pid" slurmctld) || { tail -20 "$LOG/slurmctld.log" >&2; exit 1; }
   log "slurmctld started (pid $P)"
 fi
-if ! pid_alive "$RUN/slurmd.pid" slurmd; then
-  refuse_port "$SLURMD_PORT" slurmd
-  # -N localhost: the node name differs from `hostname`
-  /usr/sbin/slurmd -f "$SLURM_CONF" -N localhost
-  P=$(wait_pidfile "$RUN/slurmd.pid" slurmd) || { tail -20 "$LOG/slurmd.log" >&2; exit 1; }
-  log "slurmd started (pid $P)"
+if [ "$NODES" = 1 ]; then
+  if ! pid_alive "$RUN/slurmd.pid" slurmd; then
+    refuse_port "$SLURMD_PORT" slurmd
+    # -N localhost: the node name differs from `hostname`
+    /usr/sbin/slurmd -f "$SLURM_CONF" -N localhost
+    P=$(wait_pidfile "$RUN/slurmd.pid" slurmd) || { tail -20 "$LOG/slurmd.log" >&2; exit 1; }
+    log "slurmd started (pid $P)"
+  fi
+else
+  for k in $(seq 1 "$NODES"); do
+    name=$(node_name "$k")
+    if ! pid_alive "$RUN/slurmd-$name.pid" slurmd; then
+      # in the node's network namespace, under a UTS namespace that holds its hostname: the
+      # jobs it starts inherit both, so `hostname` on a node says nodeK, as on a real cluster.
+      # nsenter, not `ip netns exec`, which mounts a sysfs of its own and so hides
+      # /sys/fs/cgroup, without which slurmd does not start
+      # A mount namespace too, where DIR/pmix is the node's own folder: PMIx (srun --mpi=pmix)
+      # makes per-step folders named by job and step only, which would collide on the shared /tmp.
+      mkdir -p "$DIR/nodes/$name/pmix" "$DIR/pmix"
+      nsenter --net="/run/netns/$(node_ns "$k")" unshare --uts --mount \
+        sh -c 'hostname "$1" && mount --bind "$3" "$4" && exec /usr/sbin/slurmd -f "$2" -N "$1"' \
+        sh "$name" "$SLURM_CONF" "$DIR/nodes/$name/pmix" "$DIR/pmix"
+      P=$(wait_pidfile "$RUN/slurmd-$name.pid" slurmd) || { tail -20 "$LOG/slurmd-$name.log" >&2; exit 1; }
+      log "slurmd $name started (pid $P)"
+    fi
+  done
 fi
 
-# ---------------------------------------------------------------- 4. wait for an idle node
-state=""
+# ---------------------------------------------------------------- 4. wait for every node idle
+ready=0
+states=""
 for _ in $(seq 1 300); do
-  state=$(sinfo -h -n localhost -o '%T' 2>/dev/null | head -1 || true)
-  case "$state" in
-    idle|mixed|allocated|completing) break ;;
-    down*|drain*) scontrol update NodeName=localhost State=RESUME >/dev/null 2>&1 || true ;;
+  states=$(sinfo -h -N -n "$NODE_LIST" -o '%N=%T' 2>/dev/null | sort -u | tr '\n' ' ' || true)
+  ready=$(printf '%s\n' $states | grep -cE '=(idle|mixed|allocated|completing)$' || true)
+  [ "$ready" -ge "$NODES" ] && break
+  case "$states" in
+    *=down*|*=drain*) scontrol update NodeName="$NODE_LIST" State=RESUME >/dev/null 2>&1 || true ;;
   esac
   sleep 0.2
 done
-case "$state" in
-  idle|mixed|allocated|completing) ;;
-  *) log "node not ready (state='$state')"; tail -20 "$LOG/slurmctld.log" "$LOG/slurmd.log" >&2; exit 1 ;;
-esac
-log "cluster ready: node localhost $state; total $(elapsed "$T_START")s; source $DIR/env.sh"
+if [ "$ready" -lt "$NODES" ]; then
+  log "nodes not ready ($states)"; tail -20 "$LOG/slurmctld.log" "$LOG"/slurmd*.log >&2; exit 1
+fi
+log "cluster ready: $states; total $(elapsed "$T_START")s; source $DIR/env.sh"
 sinfo

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError
 from hpcnft.common.errors import first_line
+from hpcnft.dist import netif
 from hpcnft.dist.launch import LaunchInfo
 
 
@@ -96,14 +97,16 @@ class RendezvousError(RuntimeError):
     """The ranks could not meet at the master address and port."""
 
 
-def rendezvous_error(e: BaseException, info: LaunchInfo) -> RendezvousError:
-    """One line for a failed init_process_group: where, why, and the fix when the port is taken."""
+def rendezvous_error(e: BaseException, info: LaunchInfo, route: str = "") -> RendezvousError:
+    """One line for a failed init_process_group: where, why, and the fix when the port is taken.
+    ROUTE (netif.route_to) says how this rank tried to reach the master: address and interface."""
     first = first_line(e, type(e).__name__)
     where = info.endpoint
     if "EADDRINUSE" in first or "address already in use" in first.lower():
         return RendezvousError(f"rank {info.rank} cannot listen on {where}: the port is taken on this node; "
                                f"set MASTER_PORT to a free port for this job")
-    return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}: {first}")
+    via = f" ({route})" if route else ""
+    return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}{via}: {first}")
 
 
 def resolve_backend(cfg: Config, device: torch.device) -> str:
@@ -135,11 +138,12 @@ def setup(cfg: Config, info: LaunchInfo):
     train, reward = roles(info.world_size, cfg.layout.reward_ranks)
     timeout = datetime.timedelta(seconds=cfg.layout.timeout_s)
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    netif.bind_collectives(os.environ)  # before the group: gloo and NCCL read it when they start
     try:
         dist.init_process_group(backend, init_method=info.init_method,
                                 rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
     except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
-        raise rendezvous_error(e, info) from e
+        raise rendezvous_error(e, info, netif.route_to(info.master_addr)) from e
     topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,
                     info.job_id, info.restart_count)
     everyone: list = [None] * info.world_size

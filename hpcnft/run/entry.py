@@ -112,16 +112,19 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
         groups.teardown()
         return code
     try:
-        return _run_role(cfg, topo, group, mesh, flag, notes)
+        return _run_role(cfg, topo, group, mesh, flag, notes, info.endpoint)
     finally:
         if lock:
             lock.release()  # a clean exit clears the holder line; a killed owner leaves it
 
 
-def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str]) -> int:
+def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str], endpoint: str) -> int:
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher)
+    log.info("collectives bind %s (GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME %s); master %s",
+             os.environ.get("GLOO_SOCKET_IFNAME") or "the backend's default interface",
+             os.environ.get("NCCL_SOCKET_IFNAME") or "unset", endpoint)
     for text in notes:
         log.warning(text)
     try:

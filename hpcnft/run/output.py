@@ -13,6 +13,7 @@ import torch
 
 from hpcnft.algo.sampler import prompt_grid
 from hpcnft.common.errors import first_line
+from hpcnft.dist import netif
 
 log = logging.getLogger("hpcnft")
 
@@ -71,7 +72,13 @@ def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str])
 def fail_line(topo, e: BaseException) -> str:
     # c10d prefixes NCCL's reason with the C++ source line that raised it; the reason is what counts
     first = re.sub(r"NCCL error in: \S+:\d+, ", "NCCL error: ", first_line(e))
-    return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {first}"
+    hosts = list(getattr(topo, "hosts", None) or [])
+    if len(set(hosts)) < 2:  # one node: the host says nothing
+        return f"rank {topo.rank} ({topo.role}): {type(e).__name__}: {first}"
+    # across nodes: this rank's host, and the rank and host behind a peer address gloo names
+    peers = netif.peers_named(first, hosts)
+    lost = f" [peer: {peers}]" if peers else ""
+    return f"rank {topo.rank} ({topo.role}) on {hosts[topo.rank]}: {type(e).__name__}: {first}{lost}"
 
 
 def print_err(line: str) -> None:

@@ -15,6 +15,12 @@ Environment knobs:
   HPCNFT_REQUIRE_HPC=1  fail instead of skipping when no cluster is up (for CI, where a
                         silently skipped hpc suite would hide a broken setup)
   HPCNFT_SLURM_DIR      the cluster directory for HPCNFT_HPC_START (default /tmp/hpcnft-slurm)
+  HPCNFT_MULTINODE_SLURM_DIR  the multi-node cluster's directory (default /tmp/hpcnft-slurm-mn)
+
+The multi-node tests use a second cluster of three nodes, each a network namespace with its own
+hostname (`HPCNFT_SLURM_NODES=3 tools/local_slurm.sh`, on the ports of MULTINODE_KNOBS, beside
+the default one; .ci/run starts both). The module fixture `multinode_cluster` points SLURM_CONF
+at it for the tests of its module and restores it afterwards.
 
 sbatch_and_wait polls squeue/scontrol/sacct every 0.5 s rather than using `sbatch --wait`, which
 returns up to tens of seconds late (hpc_notes.md §3.6).
@@ -236,6 +242,57 @@ def slurm_cluster():
     finally:
         if started:
             _run(["bash", str(LOCAL_SLURM), slurm_dir, "stop"], timeout=120)
+
+
+MULTINODE_NODES = 3
+# the multi-node cluster's knobs for tools/local_slurm.sh: its own ports, no /etc/slurm link
+MULTINODE_KNOBS = {"HPCNFT_SLURM_NODES": str(MULTINODE_NODES), "SLURM_CTLD_PORT": "7817", "SLURM_SLURMD_PORT": "7818",
+                   "SLURM_DBD_PORT": "7819", "SLURM_MYSQL_PORT": "7830", "LINK_ETC": "0"}
+
+
+def multinode_problem(nodes: int = MULTINODE_NODES) -> str | None:
+    """None when the cluster SLURM_CONF names answers with NODES usable nodes, else why not."""
+    problem = cluster_problem()
+    if problem:
+        return problem
+    p = _run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=15)
+    usable = {line.split()[0] for line in p.stdout.splitlines()
+              if line.split()[1].rstrip("*~#$@^-") in ("idle", "mixed", "allocated", "completing")}
+    if len(usable) < nodes:
+        return f"the multi-node cluster has {len(usable)} usable node(s), not {nodes}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def multinode_cluster():
+    """The multi-node cluster (skips, or fails under HPCNFT_REQUIRE_HPC=1, when it is not up; starts
+    it under HPCNFT_HPC_START=1). SLURM_CONF points at it while the module's tests run."""
+    slurm_dir = Path(os.environ.get("HPCNFT_MULTINODE_SLURM_DIR", "/tmp/hpcnft-slurm-mn"))
+    knobs = dict(os.environ, **MULTINODE_KNOBS)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SLURM_CONF", str(slurm_dir / "etc" / "slurm.conf"))
+    hint = (f"start it with: {' '.join(f'{k}={v}' for k, v in MULTINODE_KNOBS.items())} "
+            f"bash tools/local_slurm.sh {slurm_dir} start")
+    problem = multinode_problem() if (slurm_dir / "etc" / "slurm.conf").exists() else f"no cluster in {slurm_dir}"
+    started = False
+    if problem and os.environ.get("HPCNFT_HPC_START") == "1":
+        p = _run(["bash", str(LOCAL_SLURM), str(slurm_dir), "start"], timeout=600, env=knobs)
+        if p.returncode != 0:
+            patch.undo()
+            pytest.fail(f"the multi-node cluster did not start:\n{p.stderr[-3000:]}")
+        started = True
+        problem = multinode_problem()
+    if problem:
+        patch.undo()
+        if os.environ.get("HPCNFT_REQUIRE_HPC") == "1":
+            pytest.fail(f"HPCNFT_REQUIRE_HPC=1 but {problem} ({hint})")
+        pytest.skip(f"{problem} ({hint})")
+    try:
+        yield SlurmCluster()
+    finally:
+        patch.undo()
+        if started:
+            _run(["bash", str(LOCAL_SLURM), str(slurm_dir), "stop"], timeout=120, env=knobs)
 
 
 @pytest.fixture(scope="session")
