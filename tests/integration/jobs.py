@@ -39,7 +39,9 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 300) -> 
         seen.append(line)
         if needle in line:
             return seen
-    raise AssertionError(f"never saw {needle!r}; got {seen}")
+    ended = proc.poll()
+    err = proc.stderr.read()[-3000:] if ended is not None and proc.stderr else ""
+    raise AssertionError(f"never saw {needle!r}; got {seen}" + (f"; exit {ended}, stderr:\n{err}" if err else ""))
 
 
 def rank_pids(spawner_pid: int) -> dict[int, int]:
