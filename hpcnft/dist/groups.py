@@ -216,7 +216,10 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             # Every exit code is read in the same pass that decides the job is over: ranks that
             # fail together (a full disk, a dead peer) may all end within one poll interval.
             codes = [p.poll() for p in procs]
-            for rank, code in enumerate(codes):
+            # Of the ranks found failed in one pass, one killed by a signal is the cause: the
+            # others noticed its death and exited on their own.
+            killed_first = sorted(enumerate(codes), key=lambda rank_code: (rank_code[1] or 0) >= 0)
+            for rank, code in killed_first:
                 if code not in (None, 0) and first_failure is None:
                     first_failure = (rank, code)
                     if code != preempted_code:

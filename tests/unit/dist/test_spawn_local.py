@@ -44,3 +44,15 @@ def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path):
               "sys.exit(0 if v is None else 6)")
     with open(path, "rb") as f:
         assert spawn_local([], 3, role, command=ranks(script), rank0_fd=("LOCK_FD", f.fileno())) == 0
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_death(capfd):
+    # rank 1 is killed; rank 0 notices at once and exits 1, both between two of the spawner's polls
+    at = time.time() + 1.5
+    script = (f"import os, signal, time; r = int(os.environ['RANK']); time.sleep(max(0.0, {at} - time.time()))\n"
+              "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+              "if r == 0: time.sleep(0.01); os._exit(1)\n"
+              "time.sleep(2); os._exit(1)")
+    assert spawn_local([], 3, role, command=ranks(script)) == 128 + 9
+    err = capfd.readouterr().err
+    assert "rank 1 (train) failed: killed by SIGKILL" in err and "rank 0" not in err
