@@ -88,7 +88,10 @@ def test_killed_preempted_and_finished_starts_show_each_step_once(tmp_path):
     folders = wandb_offline_runs(run_dir)
     assert len(folders) == 3
     (id1, rows1), (id2, rows2), (id3, rows3) = (wandb_history(f) for f in folders)
-    assert id1 == id2 == id3  # one wandb run, resumed
+    # one wandb run, resumed: every start's folder is named by its id (the killed start's file may
+    # not hold its run record yet: wandb's service had not flushed it)
+    assert len({os.path.basename(f).rsplit("-", 1)[1] for f in folders} | {id2, id3}) == 1
+    assert id1 in ("", id2)
     # the killed start's rows may be lost (wandb's service buffers them): start 2 fills in from run.h5
     assert [r["_step"] for r in rows2] == list(range(1, stopped + 1))
     assert [r["_step"] for r in rows3] == list(range(stopped + 1, int(STEPS) + 1))  # nothing twice
