@@ -16,7 +16,7 @@ import uuid
 import h5py
 import numpy as np
 
-from hpcnft.io.runfile import EVENT_DTYPE, MAX_ROWS, RNG_NAME, RunFileError, error_line, read_run
+from hpcnft.io.runfile import EVENT_DTYPE, MAX_ROWS, RNG_NAME, RunFileError, error_line, event_row, read_run
 
 RUN_STATE = "run_state.h5"
 RUN_ID = "run_id"  # root attribute: a random id created with the run file, kept by every copy
@@ -98,11 +98,10 @@ def write_snapshot(src: h5py.File, path: str, extra_event: tuple[int, str, str] 
     with h5py.File(path, "w", libver="latest") as dst:
         copy_run(src, dst)
         if extra_event is not None:
-            step, kind, text = extra_event
             events = dst["events"]
             n = events.shape[0]
             events.resize((n + 1,))
-            events[n] = (step, time.time(), kind.encode(), text.encode("utf-8")[:1024])
+            events[n] = event_row(*extra_event)
 
 
 def problems(ckpt_dir: str, step: int) -> str | None:
@@ -164,6 +163,5 @@ def rebuild(run_h5: str, ckpt_dir: str) -> None:
     except Exception as e:  # noqa: BLE001
         if os.path.lexists(tmp):
             os.remove(tmp)
-        if isinstance(e, RunFileError):
-            raise RunFileError(f"{run_h5}: cannot rebuild from {run_state_path(ckpt_dir)} ({e})") from None
-        raise RunFileError(f"{run_h5}: cannot rebuild from {run_state_path(ckpt_dir)} ({error_line(e)})") from None
+        why = str(e) if isinstance(e, RunFileError) else error_line(e)
+        raise RunFileError(f"{run_h5}: cannot rebuild from {run_state_path(ckpt_dir)} ({why})") from None

@@ -16,8 +16,8 @@ import h5py
 import numpy as np
 
 from hpcnft.io import run_state
-from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, EVENT_KINDS, SCHEMA, RunFileError, error_line, open_swmr_reader,
-                               read_run)
+from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, SCHEMA, RunFileError, error_line, event_row,
+                               open_swmr_reader, read_run)
 
 
 def _clear_swmr_flags(path: str) -> None:
@@ -221,11 +221,11 @@ class RunFileWriter:
 
     @_writes
     def event(self, step: int, kind: str, text: str) -> None:
-        assert kind in EVENT_KINDS, kind
+        row = event_row(step, kind, text)
         ds = self._f["events"]
         n = ds.shape[0]
         ds.resize((n + 1,))
-        ds[n] = (step, time.time(), kind.encode(), text.encode("utf-8")[:1024])
+        ds[n] = row
         ds.flush()
         self._f.flush()
 

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import json
 import os
+import time
 import re
 from dataclasses import dataclass, field
 
@@ -50,6 +51,12 @@ ALL_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + KL_KEYS + EMA_KEYS + EVAL_KEYS + PERF_KEY
 
 EVENT_KINDS = ("start", "resume", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval", "warning")
 EVENT_DTYPE = np.dtype([("step", "<i8"), ("time", "<f8"), ("kind", "S16"), ("text", "S1024")])
+
+
+def event_row(step: int, kind: str, text: str) -> tuple:
+    """One row of the events dataset, stamped now; the text cut to the field's 1024 bytes."""
+    assert kind in EVENT_KINDS, kind
+    return (step, time.time(), kind.encode(), text.encode("utf-8")[:1024])
 
 
 class RunFileError(Exception):
