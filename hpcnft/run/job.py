@@ -132,7 +132,7 @@ class TrainJob:
         if not cfg.logging.trackers or start_step >= cfg.steps:
             return
         self.trackers = TrackerGroup.open(cfg.logging.trackers, cfg.run_dir, self.kept_through, cfg.to_dict(),
-                                          self._tracker_warning)
+                                          self._report_warning)
         for tracker in self.trackers.trackers:
             self.say(f"live tracker: {tracker.where}")
 
@@ -141,11 +141,13 @@ class TrainJob:
             return path if os.path.isfile(path) else None
         self.trackers.backfill(start_step, self.writer.rows_between, grid_path)
 
-    def _tracker_warning(self, text: str) -> None:
+    def _report_warning(self, text: str, step: int | None = None) -> None:
+        """Rank 0: a warning to the log, the terminal and, once it is open, the run file (at
+        `step`, else its last step)."""
         log.warning(text)
         print_err(f"warning: {text}")
         if self.writer:
-            self.writer.event(self.writer.last_step(), "warning", text)
+            self.writer.event(self.writer.last_step() if step is None else step, "warning", text)
 
     def rebuild_run_file(self) -> str:
         """Rank 0: set the unusable run.h5 aside (never deleted) and write it anew from the
@@ -158,8 +160,7 @@ class TrainJob:
         run_state.rebuild(path, ckpt)
         text = (f"{path} {self.plan.rebuild_why}: rebuilt from checkpoint {ckpt} (rows up to step {step})"
                 + (f"; the old file is kept as {aside}" if aside else ""))
-        log.warning(text)
-        print_err(f"warning: {text}")
+        self._report_warning(text)  # before run.h5 is open: its event follows once it is
         return text
 
     def warn_truncated_prompts(self, step: int) -> None:
@@ -177,10 +178,7 @@ class TrainJob:
         detail = ", ".join(f"{name} cuts {n} (over {limits[name]})" for name, n in by_encoder.items() if n)
         text = (f"{n_cut} of {len(prompts)} prompts (train and eval) are longer than the text encoders take "
                 f"and are truncated: {detail}")
-        log.warning(text)
-        print_err(f"warning: {text}")
-        if self.writer:
-            self.writer.event(step, "warning", text)
+        self._report_warning(text, step)
 
     def save_checkpoint(self, step: int) -> None:
         cfg, tr, topo = self.cfg, self.tr, self.topo
