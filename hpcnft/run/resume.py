@@ -1,5 +1,5 @@
 """Which checkpoint a run resumes from: the newest usable one, refused when the config differs,
-and agreed on by every train rank; and whether run.h5 must first be rebuilt from a checkpoint's
+and agreed on by every rank; and whether run.h5 must first be rebuilt from a checkpoint's
 copy of it (deleted, damaged, another run's, or ending before the checkpoint)."""
 from __future__ import annotations
 
@@ -24,14 +24,6 @@ class ResumePlan:
     rebuild_why: str = ""  # why run.h5 is rebuilt from the checkpoint's run_state.h5; "" = kept as it is
     aside_tag: str = ""  # the existing run.h5 is renamed run.h5.<tag>-<time>; "" = there is none
     warnings: list[str] = field(default_factory=list)  # checkpoints skipped and why
-
-
-def agree(group, value, src: int = 0):
-    """Rank `src`'s value on every train rank."""
-    box = [value]
-    if group is not None:
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def agree_plan(cfg: Config, rank: int) -> ResumePlan:

@@ -45,10 +45,13 @@ def test_a_checkpoint_of_another_config_is_refused_naming_the_keys(tmp_path):
         check_resumable(other, run_dir, warn=print)
 
 
-def test_agree_without_a_group_is_the_local_value():
-    from hpcnft.run.resume import agree
+def test_without_a_process_group_the_plan_is_rank_0s_own(tmp_path):
+    from hpcnft.run.resume import agree_plan
 
-    assert agree(None, (3, "x")) == (3, "x")
+    cfg = load_config("tiny")
+    cfg.run_dir = str(tmp_path / "run")
+    plan = agree_plan(cfg, 0)  # nothing to resume: a fresh start, decided without any broadcast
+    assert plan.checkpoint is None and plan.rebuild_why == "" and plan.warnings == []
 
 
 def test_a_failure_is_one_line_naming_the_rank():
