@@ -54,10 +54,29 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardTermConfig:
+    """One reward term (`[[reward.terms]]` in a recipe). Its settings by kind: model_dir (a model
+    folder; empty = the term's tiny model), processor_dir, weights (a checkpoint file the kind
+    needs beside its folder), url, timeout_s and retries (remote)."""
+    kind: str = "pickscore"
+    name: str = ""  # the metric name (rollout/reward/<name>/*, eval/<name>_*); defaults to kind
+    weight: float = 1.0
+    eval_only: bool = False  # scored at evaluation only, not part of the training reward
+    model_dir: str = ""
+    processor_dir: str = ""
+    weights: str = ""
+    url: str = ""
+    timeout_s: float = 60.0
+    retries: int = 2
+
+
+@dataclass
 class RewardConfig:
-    # The training reward is scale * PickScore; -1 turns the run into a control that should
-    # lower PickScore. eval/pickscore_* always report plain PickScore.
+    # The training reward is scale * sum of weight * term over the training terms; -1 turns the
+    # run into a control that should lower it. eval/<term>_* always report the plain term.
     scale: float = 1.0
+    # Empty: PickScore alone, from models.pickscore_dir (the terms are then exactly today's).
+    terms: list[RewardTermConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -241,6 +260,12 @@ def _type_of(cls, name: str):
 def _coerce(key: str, value, typ):
     """Check `value` against the annotated type; ints are accepted where floats are expected."""
     origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of settings, got {value!r}")
+        item = typ()
+        _apply(item, value, key + ".")
+        return item
     if origin is list:
         (item,) = typing.get_args(typ)
         if not isinstance(value, list):

@@ -1,0 +1,44 @@
+"""Which module loads each kind of reward term, and the job's terms from its config.
+
+Each kind's module has `load(term, cfg, device) -> RewardTerm` (term: a RewardTermConfig; an
+empty model_dir means the kind's tiny model, built into the tiny-model cache on first use).
+Modules are imported only when a term of their kind is used, so no kind's dependencies weigh
+on a job that does not score it."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+
+import torch
+
+from hpcnft.common.config import Config, RewardTermConfig
+
+MODULES = {
+    "pickscore": "hpcnft.rewards.pickscore",
+    "hpsv2": "hpcnft.rewards.hpsv2",
+    "clipscore": "hpcnft.rewards.clipscore",
+    "aesthetic": "hpcnft.rewards.aesthetic",
+    "jpeg_compressibility": "hpcnft.rewards.jpeg",
+    "jpeg_incompressibility": "hpcnft.rewards.jpeg",
+    "remote": "hpcnft.rewards.remote",
+}
+
+
+def job_terms(cfg: Config) -> list[RewardTermConfig]:
+    """The configured terms, each with its name filled in; PickScore alone when none are."""
+    terms = cfg.reward.terms or [RewardTermConfig(kind="pickscore")]
+    return [replace(t, name=t.name or t.kind) for t in terms]
+
+
+def training_terms(cfg: Config) -> list[RewardTermConfig]:
+    return [t for t in job_terms(cfg) if not t.eval_only]
+
+
+def load_term(term: RewardTermConfig, cfg: Config, device: torch.device):
+    return importlib.import_module(MODULES[term.kind]).load(term, cfg, device)
+
+
+def tiny_cache(cfg: Config) -> str:
+    from hpcnft.models.tiny_cache import cache_dir
+
+    return cfg.models.tiny_cache or cache_dir()
