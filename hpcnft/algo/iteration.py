@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hpcnft.algo import nft
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
+from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise, sigma_grid
 from hpcnft.algo.solvers import sample
 from hpcnft.common.config import Config
@@ -49,7 +50,8 @@ class Rollout:
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
     images: torch.Tensor  # uint8 [n, H, W, 3]
-    rewards: torch.Tensor  # this rank's samples
+    rewards: torch.Tensor  # this rank's samples' training reward [n]
+    term_scores: torch.Tensor  # and each training term's score [n, T]
     seconds: float
     wait_s: float
 
@@ -108,9 +110,10 @@ class Learner:
                 imgs.append(images)
         t1 = time.perf_counter()
         with span("rollout/reward_collect"):
-            rewards = torch.cat([self.client.collect(p) for p in pending])
+            scores = torch.cat([self.client.collect(p) for p in pending])
         t2 = time.perf_counter()
-        return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs), rewards, t1 - t0, t2 - t1)
+        return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs),
+                       training_reward(scores, cfg), scores, t1 - t0, t2 - t1)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All train ranks' values, in global sample order."""
@@ -178,6 +181,11 @@ class Learner:
                 self.policy.eval_ema_update(nft.eval_ema_decay(step, cfg.eval.ema_decay))
         t_end = time.perf_counter()
         metrics.update({f"rollout/reward/{k}": v for k, v in nft.reward_stats(rewards).items()})
+        if cfg.reward.terms:  # configured terms: each one's plain score beside the training reward
+            scores = self.gather(ro.term_scores).to(torch.float64)
+            for j, term in enumerate(term_columns(cfg)["rollout"]):
+                metrics[f"rollout/reward/{term.name}/mean"] = scores[:, j].mean().item()
+                metrics[f"rollout/reward/{term.name}/std"] = scores[:, j].std(unbiased=False).item()
         metrics["ema/decay"] = decay
         busy, idle = self.client.server_busy_s, self.client.server_idle_s  # the reward rank's totals
         metrics.update({
@@ -207,10 +215,14 @@ class Learner:
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding)
                     pending.append((real, self.client.submit(EVAL, 0, images, real)))
-        local = [(i, s) for ids, p in pending for i, s in zip(ids, self.client.collect(p).tolist())]
+        local = [(i, row) for ids, p in pending for i, row in zip(ids, self.client.collect(p).tolist())]
         everyone = [None] * len(self.topo.train_ranks) if self.group is not None else None
         if self.group is not None:
             dist.all_gather_object(everyone, local, group=self.group)
             local = [x for part in everyone for x in part]
-        scores = torch.tensor([s for _, s in sorted(local)], dtype=torch.float64)
-        return {"eval/pickscore_mean": scores.mean().item(), "eval/pickscore_std": scores.std(unbiased=False).item()}
+        scores = torch.tensor([row for _, row in sorted(local)], dtype=torch.float64)  # [prompts, terms]
+        out = {}
+        for j, term in enumerate(term_columns(cfg)["eval"]):
+            out[f"eval/{term.name}_mean"] = scores[:, j].mean().item()
+            out[f"eval/{term.name}_std"] = scores[:, j].std(unbiased=False).item()
+        return out

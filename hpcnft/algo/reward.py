@@ -1,99 +1,59 @@
-"""PickScore: real CLIP preprocessing and the formula score = exp(logit_scale) * cos / 26."""
+"""The job's reward from its terms (reward.terms): which terms score a chunk, and the training
+reward made of their scores.
+
+A chunk's scores are a float32 table [n, T], one column per term: the training terms for a
+rollout chunk, every term (eval-only ones too) for an evaluation chunk. The training reward of
+a sample is reward.scale * sum_t weight_t * score_t: the official DiffusionNFT code's sum of
+weighted scores (`multi_score`'s "avg"), no per-term normalisation; the advantages normalise
+the sum per prompt group as before."""
 from __future__ import annotations
 
-import numpy as np
 import torch
-from PIL import Image
 
-PICKSCORE_DIVISOR = 26.0
-
-
-def _embedding(out) -> torch.Tensor:
-    # transformers 5 returns a ModelOutput with the projected embedding in pooler_output.
-    return out if isinstance(out, torch.Tensor) else out.pooler_output
+from hpcnft.common.config import Config, RewardTermConfig
+from hpcnft.rewards.registry import job_terms, load_term, training_terms
 
 
-def clip_pixel_values(images: torch.Tensor, image_processor, device: torch.device) -> torch.Tensor:
-    """CLIP's image preprocessing as tensor ops on `device` (perf.pickscore_preprocess="device"):
-    resize the shortest edge with antialiased bicubic (a = -0.5, PIL's kernel), round to uint8
-    as PIL's resize does, centre crop, rescale, normalise. Pixels land within a grey level or so
-    of the PIL path's."""
-    ip = image_processor
-    edge, crop = ip.size.shortest_edge, (ip.crop_size.height, ip.crop_size.width)
-    if not (edge and ip.do_resize and ip.do_center_crop and ip.resample == Image.Resampling.BICUBIC):
-        raise ValueError("perf.pickscore_preprocess=\"device\": the processor is not CLIP's "
-                         "(shortest-edge bicubic resize and centre crop)")
-    x = images.to(device).permute(0, 3, 1, 2).float()
-    h, w = x.shape[-2:]
-    short, long = min(h, w), max(h, w)
-    size = (edge, int(edge * long / short)) if h <= w else (int(edge * long / short), edge)
-    x = torch.nn.functional.interpolate(x, size=size, mode="bicubic", antialias=True, align_corners=False)
-    x = x.round().clamp(0, 255)
-    top, left = (x.shape[-2] - crop[0]) // 2, (x.shape[-1] - crop[1]) // 2
-    x = x[..., top:top + crop[0], left:left + crop[1]] * ip.rescale_factor
-    mean = torch.tensor(ip.image_mean, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(ip.image_std, device=device).view(1, 3, 1, 1)
-    return (x - mean) / std
+def term_columns(cfg: Config) -> dict[str, list[RewardTermConfig]]:
+    """The terms of each request kind's columns, in order."""
+    return {"rollout": training_terms(cfg), "eval": job_terms(cfg)}
 
 
-CLIP_TEXT_TOKENS = 77
+def reply_columns(cfg: Config) -> dict[int, int]:
+    """Scores per image in a reward reply, by request kind (the reward service's `columns`)."""
+    from hpcnft.dist.reward_service import EVAL, ROLLOUT
+
+    cols = term_columns(cfg)
+    return {ROLLOUT: len(cols["rollout"]), EVAL: len(cols["eval"])}
 
 
-class PickScoreScorer:
-    """PickScore of (prompt, image) pairs. `preprocess_on_device` (perf.pickscore_preprocess =
-    "device") is the GPU-friendly path: CLIP's image preprocessing as tensor ops on the device,
-    and the prompts padded to CLIP's full 77 tokens instead of the batch's longest, so the text
-    tower always sees one shape (a new length makes cuDNN's attention plan its kernels afresh,
-    ~0.5 s on an H200). Under CLIP's causal mask the padding after the end token changes nothing
-    the pooled end-token embedding sees: the score moves by rounding only."""
-
-    def __init__(self, processor, model, device: torch.device, preprocess_on_device: bool = False):
-        self.processor, self.model, self.device = processor, model, device
-        self.preprocess_on_device = preprocess_on_device
-
-    def pixel_values(self, images: np.ndarray | torch.Tensor) -> torch.Tensor:
-        if self.preprocess_on_device:
-            return clip_pixel_values(torch.as_tensor(images), self.processor.image_processor, self.device)
-        if isinstance(images, torch.Tensor):
-            images = images.numpy()
-        pil = [Image.fromarray(np.ascontiguousarray(im)) for im in images]
-        return self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device)
-
-    def text_tokens(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Token ids and attention mask on the device: padded to the batch's longest prompt (the
-        PickScore reference's preprocessing), or to 77 tokens on the device path."""
-        padding = "max_length" if self.preprocess_on_device else True
-        text = self.processor(text=prompts, padding=padding, truncation=True, max_length=CLIP_TEXT_TOKENS,
-                              return_tensors="pt")
-        return {k: text[k].to(self.device) for k in ("input_ids", "attention_mask")}
-
-    @torch.no_grad()
-    def __call__(self, prompts: list[str], images: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """prompts[i] vs images[i] ([n, H, W, 3] uint8) -> float32 scores [n] on the CPU."""
-        pixels = self.pixel_values(images)
-        text = self.text_tokens(prompts)
-        img = _embedding(self.model.get_image_features(pixel_values=pixels))
-        txt = _embedding(self.model.get_text_features(**text))
-        img = img / img.norm(dim=-1, keepdim=True)
-        txt = txt / txt.norm(dim=-1, keepdim=True)
-        scores = self.model.logit_scale.exp() * (img * txt).sum(-1) / PICKSCORE_DIVISOR
-        return scores.float().cpu()
+def training_reward(scores: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """[n, T] training-term scores -> [n] float32: scale * sum of weight * score."""
+    weights = torch.tensor([t.weight for t in training_terms(cfg)], dtype=scores.dtype)
+    return cfg.reward.scale * (scores * weights).sum(dim=-1)
 
 
-def make_score_fn(cfg, scorer: PickScoreScorer):
-    """(kind, step, images, sample ids) -> scores. A rank scores with its own copy of the prompt
-    files, against the prompt each sample was generated from (PromptStream.for_samples); the
-    training reward is reward.scale times PickScore, the evaluation's plain PickScore."""
+def load_terms(cfg: Config, device: torch.device) -> dict[str, object]:
+    """name -> loaded term, for every term of the job (loaded once even if several columns use it)."""
+    return {t.name: load_term(t, cfg, device) for t in job_terms(cfg)}
+
+
+def make_score_fn(cfg: Config, terms: dict[str, object]):
+    """(kind, step, images, sample ids) -> float32 [n, T]. A rank scores with its own copy of the
+    prompt files, against the prompt each sample was generated from (PromptStream.for_samples)."""
     from hpcnft.algo.prompts import read_prompt_file, train_stream
     from hpcnft.dist.reward_service import EVAL
 
     stream = train_stream(cfg)
     eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
     p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
+    columns = term_columns(cfg)
 
     def score(kind: int, step: int, images: torch.Tensor, ids: list[int]) -> torch.Tensor:
         if kind == EVAL:
-            return scorer([eval_prompts[i] for i in ids], images)
-        return cfg.reward.scale * scorer(stream.for_samples(step, ids, p, g), images)
+            prompts, names = [eval_prompts[i] for i in ids], [t.name for t in columns["eval"]]
+        else:
+            prompts, names = stream.for_samples(step, ids, p, g), [t.name for t in columns["rollout"]]
+        return torch.stack([terms[name](prompts, images).to(torch.float32).cpu() for name in names], dim=1)
 
     return score

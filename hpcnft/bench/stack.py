@@ -106,7 +106,7 @@ class HpcnftStack:
     def scorer(self):
         if self._scorer is None:
             from hpcnft.perf import levers
-            from hpcnft.algo.reward import PickScoreScorer
+            from hpcnft.rewards.pickscore import PickScoreScorer
 
             self._scorer = levers.prepare_scorer(PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev),
                                                self.cfg)
@@ -129,7 +129,7 @@ class HpcnftStack:
     def _score_fn(self):
         from hpcnft.algo.reward import make_score_fn
 
-        return make_score_fn(self.cfg, self.scorer)
+        return make_score_fn(self.cfg, {"pickscore": self.scorer})  # the bench's config: PickScore alone
 
     def _cond(self, n: int, seed: int = 0):
         torch = _torch()

@@ -36,6 +36,10 @@ MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
 # service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
 AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
 TRACKERS = ("tensorboard", "wandb")  # logging.trackers: hpcnft/io/trackers.py has one class for each
+# reward.terms: the kinds hpcnft/rewards/registry.py loads, and what each needs set
+TERM_KINDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "jpeg_compressibility", "jpeg_incompressibility",
+              "remote")
+TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
 UNIT_INTERVAL = {"nft.timestep_fraction", "eval.ema_decay", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
@@ -83,6 +87,7 @@ def validate(cfg) -> None:
             raise ConfigError(f"logging.trackers: {name!r} is not one of {', '.join(TRACKERS)}")
         if cfg.logging.trackers.count(name) > 1:
             raise ConfigError(f"logging.trackers: {name!r} is listed more than once")
+    _validate_terms(cfg.reward.terms)
     if not re.fullmatch(r"0?[0-7]{3}", cfg.umask):
         raise ConfigError(f"umask: expected an octal mask such as \"077\" or \"027\", got {cfg.umask!r}")
     r = cfg.rollout
@@ -105,3 +110,27 @@ def validate(cfg) -> None:
     if cfg.perf.fuse_qkv and cfg.train.finetune == "lora" and not cfg.perf.merge_lora_nograd:
         raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                           "(the fused projections hold the merged weights)")
+
+
+def _validate_terms(terms) -> None:
+    names = []
+    for i, t in enumerate(terms):
+        key = f"reward.terms[{i}]"
+        if t.kind not in TERM_KINDS:
+            raise ConfigError(f"{key}.kind: {t.kind!r} is not one of {', '.join(TERM_KINDS)}")
+        name = t.name or t.kind
+        if not TERM_NAME.fullmatch(name):
+            raise ConfigError(f"{key}.name: {name!r} must be lower-case letters, digits and _ (a metric name)")
+        if name in names:
+            raise ConfigError(f"{key}.name: {name!r} names two terms (give each its own name)")
+        names.append(name)
+        if not math.isfinite(t.weight):
+            raise ConfigError(f"{key}.weight: must be a finite number, got {t.weight!r}")
+        if not (math.isfinite(t.timeout_s) and t.timeout_s > 0):
+            raise ConfigError(f"{key}.timeout_s: must be > 0, got {t.timeout_s!r}")
+        if t.retries < 0:
+            raise ConfigError(f"{key}.retries: must be >= 0, got {t.retries!r}")
+        if t.kind == "remote" and not re.match(r"https?://", t.url):
+            raise ConfigError(f"{key}.url: a remote term needs an http:// or https:// URL, got {t.url!r}")
+    if terms and all(t.eval_only for t in terms):
+        raise ConfigError("reward.terms: every term is eval_only, nothing would be trained on")

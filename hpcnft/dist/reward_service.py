@@ -1,4 +1,4 @@
-"""The reward rank's PickScore service and the train ranks' client, over point-to-point
+"""The reward rank's scoring service and the train ranks' client, over point-to-point
 messages on the host (gloo), whatever the job's collective backend.
 
 A train rank sends each decoded chunk as soon as it exists and keeps generating; the reward
@@ -8,8 +8,8 @@ rank scores chunk j while chunk j+1 is being made. Messages:
            int64 sample indices [n]   (kind ROLLOUT or EVAL). DONE sends the header only, with
            n = 1 when the run stops for preemption; ERROR adds a uint8[MSG_BYTES] message;
            SNAPSHOT asks the reward rank to write its RNG state into step's checkpoint.
-  reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n] and
-           uint8[MSG_BYTES] message (SNAPSHOT: header and message only). `preempt` tells the
+  reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n, T]
+           (one column per reward term of the request's kind: `columns`) and uint8[MSG_BYTES] message (SNAPSHOT: header and message only). `preempt` tells the
            train ranks that the reward rank got the preemption signal.
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
@@ -101,12 +101,16 @@ class Pending:
     reward_rank: int
 
 
+ONE_TERM = {ROLLOUT: 1, EVAL: 1}
+
+
 class RemoteRewardClient:
     """Train-rank side: submit chunks without blocking, collect scores later. `group` is the
-    job's host group (None: the world group, when it is gloo already)."""
+    job's host group (None: the world group, when it is gloo already); `columns` the number of
+    reward terms a reply holds per kind."""
 
-    def __init__(self, reward_rank: int, group, timeout_s: float):
-        self.dst, self.group, self.timeout_s = reward_rank, group, timeout_s
+    def __init__(self, reward_rank: int, group, timeout_s: float, columns: dict[int, int] = ONE_TERM):
+        self.dst, self.group, self.timeout_s, self.columns = reward_rank, group, timeout_s, dict(columns)
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
         self.peer_preempt = False
 
@@ -123,7 +127,7 @@ class RemoteRewardClient:
         idx = torch.tensor(indices, dtype=torch.int64)
         works = [self._send(header, HEADER_TAG), self._send(imgs, PAYLOAD_TAG), self._send(idx, PAYLOAD_TAG)]
         r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64)
-        scores = torch.zeros(n, dtype=torch.float32)
+        scores = torch.zeros((n, self.columns[kind]), dtype=torch.float32)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8)
         works += [self._recv(t) for t in (r_header, scores, msg)]
         return Pending(works, scores, r_header, msg, (header, imgs, idx), self.dst)
@@ -222,10 +226,11 @@ def next_request(group, active: list[int]) -> tuple[int, torch.Tensor]:
     return src, h
 
 
-def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=None) -> dict[str, float]:
+def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=None,
+          columns: dict[int, int] = ONE_TERM) -> dict[str, float]:
     """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
     host group `group` (None: the world group, when it is gloo already).
-    `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n]`. Returns
+    `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n, columns[kind]]`. Returns
     busy/idle seconds and whether the train ranks stopped for preemption.
     `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's
     ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told."""
@@ -267,10 +272,13 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
             images = recv(torch.empty((n, height, width, 3), dtype=torch.uint8), ready)
             idx = recv(torch.empty(n, dtype=torch.int64), ready)
             try:
-                scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu()
+                scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu().contiguous()
+                if tuple(scores.shape) != (n, columns[kind]):
+                    raise RewardServiceError(f"scores of shape {tuple(scores.shape)} for {n} images and "
+                                             f"{columns[kind]} reward terms")
                 status, text = OK, ""
             except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
-                scores, status, text = torch.zeros(n), FAILED, f"{type(e).__name__}: {e}"
+                scores, status, text = torch.zeros((n, columns[kind])), FAILED, f"{type(e).__name__}: {e}"
             busy += time.monotonic() - now
             reply(ready, status, n, scores, _encode_msg(text))
             if status != OK:

@@ -80,8 +80,9 @@ class RunFileWriter:
     carries a random run id (created with it, or given to a file of an older version that has
     none), which every checkpoint's copy keeps: a run.h5 of another run is told apart by it."""
 
-    def __init__(self, path: str, config_json: str, version: str):
+    def __init__(self, path: str, config_json: str, version: str, extra_keys: tuple[str, ...] = ()):
         self.path = path
+        self.keys = ALL_KEYS + [k for k in extra_keys if k not in ALL_KEYS]  # the reward terms' keys
         self._f = None
         self._failed = False
         try:
@@ -124,7 +125,7 @@ class RunFileWriter:
 
     def _ensure_structure(self) -> None:
         f = self._f
-        for key in ALL_KEYS:
+        for key in self.keys:
             name = f"metrics/{key}"
             if name not in f:
                 f.create_dataset(name, shape=(0, 2), maxshape=(None, 2), chunks=(256, 2), dtype="<f8")
@@ -234,7 +235,7 @@ class RunFileWriter:
         """Drop metric rows with step > `step` (>= `step` for `inclusive_keys`); returns how
         many rows were dropped."""
         dropped = 0
-        for key in ALL_KEYS:
+        for key in self.keys:
             ds = self._f[f"metrics/{key}"]
             if ds.shape[0] == 0:
                 continue
@@ -251,7 +252,7 @@ class RunFileWriter:
     def rows_between(self, after: int, through: int) -> dict[int, dict[str, float]]:
         """{step: {key: value}} of the rows with after < step <= through."""
         out: dict[int, dict[str, float]] = {}
-        for key in ALL_KEYS:
+        for key in self.keys:
             for step, value in self._f[f"metrics/{key}"][()].tolist():
                 if after < step <= through:
                     out.setdefault(int(step), {})[key] = value

@@ -49,6 +49,16 @@ PERF_KEYS = [
 PER_STEP_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + EMA_KEYS + PERF_KEYS
 ALL_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + KL_KEYS + EMA_KEYS + EVAL_KEYS + PERF_KEYS
 
+
+
+def reward_term_keys(rollout_terms: list[str], eval_terms: list[str]) -> list[str]:
+    """The metric keys of configured reward terms: each training term's rollout mean and std,
+    each term's evaluation mean and std (eval/pickscore_* is one of ALL_KEYS already)."""
+    keys = [f"rollout/reward/{name}/{s}" for name in rollout_terms for s in ("mean", "std")]
+    keys += [f"eval/{name}_{s}" for name in eval_terms for s in ("mean", "std")]
+    return [k for k in keys if k not in ALL_KEYS]
+
+
 EVENT_KINDS = ("start", "resume", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval", "warning")
 EVENT_DTYPE = np.dtype([("step", "<i8"), ("time", "<f8"), ("kind", "S16"), ("text", "S1024")])
 

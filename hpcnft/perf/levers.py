@@ -13,7 +13,7 @@ lora_merge, fused_qkv, epilogue, fp8 and towers.
 | perf.vae_dtype | VAE decode in fp16/bf16 instead of the loaded fp32 (helper: `prepare_vae`) | half-precision decode |
 | perf.vae_channels_last | VAE decode in channels-last memory format (helper: `prepare_vae`) | conv algorithm choice |
 | perf.pickscore_dtype | PickScore towers in fp16, embeddings and the score in fp32 (helper: `prepare_scorer`) | fp16 towers |
-| perf.pickscore_preprocess | "device": CLIP's resize/crop/normalise as tensor ops on the scorer's device instead of PIL on the CPU (`reward.clip_pixel_values`), prompts padded to 77 tokens (one text-tower shape) | antialiased bicubic of torch, not PIL: pixels within about a grey level; text rounding only |
+| perf.pickscore_preprocess | "device": CLIP's resize/crop/normalise as tensor ops on the scorer's device instead of PIL on the CPU (`rewards.pickscore.clip_pixel_values`), prompts padded to 77 tokens (one text-tower shape) | antialiased bicubic of torch, not PIL: pixels within about a grey level; text rounding only |
 | perf.fuse_qkv | the no-grad passes compute q, k, v (and the text stream's) with one GEMM on concatenated weights (`perf.fused_qkv`); LoRA needs merge_lora_nograd | one GEMM's rounding instead of three |
 | perf.fused_lora | the trained forward computes a stream's q, k, v with one frozen base GEMM on concatenated weights and one GEMM on the concatenated LoRA A matrices (`perf.fused_qkv`); not under FSDP2 per-linear groups | GEMM rounding |
 | perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hpcnft import __version__
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.policy import Policy
-from hpcnft.algo.reward import make_score_fn
+from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
 from hpcnft.algo.trainer import Trainer
 from hpcnft.common import determinism
 from hpcnft.common.config import Config
@@ -25,7 +25,6 @@ from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
 from hpcnft.run.resume import ResumePlan
-from hpcnft.run.reward_rank import load_scorer
 
 
 def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
@@ -38,10 +37,11 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
         for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
             enc.to(dtype)
     if topo.role == "colocated":
-        client = LocalRewardClient(make_score_fn(cfg, load_scorer(cfg, topo.device)),
+        client = LocalRewardClient(make_score_fn(cfg, load_terms(cfg, topo.device)),
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
-        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s)
+        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s,
+                                    reply_columns(cfg))
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
     return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer)
@@ -94,11 +94,15 @@ class TrainJob:
 
     def open_run_file(self, start_step: int) -> None:
         from hpcnft.io.run_writer import RunFileWriter
-        from hpcnft.io.runfile import EVAL_KEYS
+        from hpcnft.io.runfile import EVAL_KEYS, reward_term_keys
 
         cfg, topo = self.cfg, self.topo
         rebuilt = self.rebuild_run_file() if self.plan.rebuild_why else ""
-        w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__)
+        cols = term_columns(cfg)
+        term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
+                                     [t.name for t in cols["eval"]])
+        w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
+                                        tuple(term_keys))
         w.set_topology(topo.as_attrs())
         for text in self.warnings:
             w.event(start_step, "error", text)
@@ -108,7 +112,8 @@ class TrainJob:
             # An eval that ran only because the earlier run ended at start_step is not one an
             # uninterrupted run would have: it goes, so both runs hold the same rows.
             periodic = cfg.eval.every and start_step % cfg.eval.every == 0
-            end_only = () if periodic or start_step >= cfg.steps else tuple(EVAL_KEYS)
+            eval_keys = EVAL_KEYS + [k for k in term_keys if k.startswith("eval/")]
+            end_only = () if periodic or start_step >= cfg.steps else tuple(eval_keys)
             before = set(w.rows_between(start_step - 1, start_step).get(start_step, {}))
             dropped = w.truncate_after(start_step, inclusive_keys=end_only)
             # where rows of the resume step itself went, the trackers take that step again from run.h5

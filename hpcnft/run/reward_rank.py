@@ -1,33 +1,24 @@
-"""The reward rank's run: load PickScore, restore its RNG state from the checkpoint, and serve
+"""The reward rank's run: load the reward terms, restore its RNG state from the checkpoint, and serve
 the train ranks' score requests until they finish or the job is preempted."""
 from __future__ import annotations
 
-import torch
 
-from hpcnft.algo.reward import PickScoreScorer, make_score_fn
+from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.common import determinism
 from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.dist.reward_service import serve
 from hpcnft.io import checkpoint
-from hpcnft.models.loading import load_pickscore, resolve_model_paths
-from hpcnft.perf import levers
 from hpcnft.run.output import log
 from hpcnft.run.resume import ResumePlan
-
-
-def load_scorer(cfg: Config, device: torch.device) -> PickScoreScorer:
-    paths = resolve_model_paths(cfg)
-    scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, device), device)
-    return levers.prepare_scorer(scorer, cfg)  # perf.pickscore_dtype
 
 
 def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
     # Seeded as the train ranks are: the RNG states this rank snapshots into checkpoints and
     # run.h5 are then the same in every run of a config, as theirs are.
     determinism.seed_globals(cfg.train.seed)
-    score_fn = make_score_fn(cfg, load_scorer(cfg, topo.device))
+    score_fn = make_score_fn(cfg, load_terms(cfg, topo.device))
     for text in plan.warnings:
         log.warning(text)
     found = plan.checkpoint  # the train ranks' checkpoint
@@ -40,6 +31,7 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
             f.write(determinism.capture_rng_state())
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
-    stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag)
+    stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag,
+                  reply_columns(cfg))
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK

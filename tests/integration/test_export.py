@@ -7,7 +7,7 @@ import torch
 from jobs import hpcnft
 from hpcnft.algo import nft
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
-from hpcnft.algo.reward import PickScoreScorer
+from hpcnft.rewards.pickscore import PickScoreScorer
 from hpcnft.algo.sampler import (PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast,
                             sigma_grid)
 from hpcnft.common.config import load_config

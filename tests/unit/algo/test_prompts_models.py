@@ -1,5 +1,5 @@
 """Prompt files and streams (hpcnft.algo.prompts), model folders (hpcnft.models), tiny models
-(hpcnft.models.tiny) and the PickScore formula (hpcnft.algo.reward, nft_spec.md §4)."""
+(hpcnft.models.tiny) and the PickScore formula (hpcnft.rewards.pickscore, nft_spec.md §4)."""
 from __future__ import annotations
 
 import json
@@ -236,7 +236,7 @@ def _emb(out):
 
 
 def test_pickscore_formula(pickscore):
-    from hpcnft.algo.reward import PickScoreScorer
+    from hpcnft.rewards.pickscore import PickScoreScorer
 
     processor, model = pickscore
     prompts = ["a photo of a cat sitting on a red chair", "a panda eating bamboo in the forest",

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hpcnft.algo.reward import PickScoreScorer, clip_pixel_values
+from hpcnft.rewards.pickscore import PickScoreScorer, clip_pixel_values
 from hpcnft.models.loading import load_pickscore
 
 

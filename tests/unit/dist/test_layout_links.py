@@ -17,9 +17,13 @@ from hpcnft.dist.launch import LaunchInfo
 from hpcnft.dist.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
 
 
+COLUMNS = {ROLLOUT: 2, EVAL: 1}  # two training terms; evaluation scores one
+
+
 def _score(kind, step, images, ids):
-    """A score that names its sample, its step and what the images hold."""
-    return torch.tensor(ids, dtype=torch.float32) * 1000 + step * 10 + images.float().mean(dim=(1, 2, 3)) + kind
+    """Scores that name their sample, step, term and what the images hold: [n, COLUMNS[kind]]."""
+    base = torch.tensor(ids, dtype=torch.float32) * 1000 + step * 10 + images.float().mean(dim=(1, 2, 3)) + kind
+    return torch.stack([base + 0.5 * term for term in range(COLUMNS[kind])], dim=1)
 
 
 def _service_rank(rank: int, port: int, results) -> None:
@@ -32,9 +36,9 @@ def _service_rank(rank: int, port: int, results) -> None:
     host = dist.new_group(backend="gloo")  # the host group a NCCL job makes
     train = dist.new_group([0, 1])
     if rank == 2:
-        results.put((2, serve([0, 1], host, _score)))
+        results.put((2, serve([0, 1], host, _score, columns=COLUMNS)))
     else:
-        client = RemoteRewardClient(2, host, 60.0)
+        client = RemoteRewardClient(2, host, 60.0, COLUMNS)
         if rank == 1:  # sends nothing until rank 0 has all its scores
             dist.barrier(group=train)
         images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
