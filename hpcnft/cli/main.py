@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("hpcnft.cli.report", "follow a live run, one line per new step"),
     "export-metrics": ("hpcnft.cli.report", "export metrics to CSV or TensorBoard"),
     "export": ("hpcnft.cli.export", "export trained weights of a checkpoint as a diffusers-loadable folder"),
+    "reward-server": ("hpcnft.cli.reward_server", "serve reward terms over HTTP for remote terms of other jobs"),
     "bench": ("hpcnft.bench", "GPU throughput and MFU of each phase beside the plain diffusers/peft stack"),
 }
 

@@ -1,0 +1,119 @@
+"""`hpcnft reward-server TERM... [--recipe R] [--set KEY=VALUE] [--host H] [--port P]`: serve
+reward terms over HTTP (hpcnft/rewards/http_protocol.py) for `remote` terms of other jobs.
+
+A TERM is the name of a term in the recipe's reward.terms, or a bare kind (pickscore,
+jpeg_compressibility, ...) with its default settings, the tiny model where the kind has one.
+The terms score as a reward rank of the recipe would: same determinism settings, same CPU
+thread count. SIGINT or SIGTERM stops the server; the exit code is then 0."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from hpcnft.common.errors import UsageError
+from hpcnft.common.validation import TERM_KINDS
+
+SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
+
+
+def add_arguments(name: str, p) -> None:
+    from hpcnft.common.config import recipe_names
+
+    p.add_argument("terms", nargs="+", metavar="TERM",
+                   help=f"a term name of the recipe's reward.terms, or a kind ({', '.join(SERVED_KINDS)})")
+    p.add_argument("--recipe", default="tiny",
+                   help=f"recipe name ({', '.join(recipe_names())}; default tiny) or a TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value (repeatable), e.g. "
+                        "--set 'reward.terms=[{kind=\"pickscore\", model_dir=\"/m\"}]'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the terms' models run")
+    p.add_argument("--port-file", help="write the port here once the server listens")
+
+
+def served_terms(names: list[str], cfg) -> list:
+    """The RewardTermConfig of each TERM: the recipe's term of that name, else that kind's
+    defaults. UsageError for an unknown name or a remote term."""
+    from dataclasses import replace
+
+    from hpcnft.common.config import RewardTermConfig
+    from hpcnft.rewards.registry import job_terms
+
+    configured = {t.name: t for t in job_terms(cfg)}
+    out = []
+    for name in dict.fromkeys(names):
+        if name in configured:
+            term = configured[name]
+        elif name in TERM_KINDS:
+            term = RewardTermConfig(kind=name, name=name)
+        else:
+            raise UsageError(f"unknown term {name!r}: not a term of the recipe ({', '.join(configured)}) "
+                             f"nor a kind ({', '.join(SERVED_KINDS)})")
+        if term.kind == "remote":
+            raise UsageError(f"term {name!r} is a remote term itself; serve it where it is scored")
+        out.append(replace(term, name=name))
+    return out
+
+
+def load_terms(terms: list, cfg, device) -> dict:
+    from hpcnft.models.folders import ModelError
+    from hpcnft.rewards.registry import load_term
+
+    loaded = {}
+    for term in terms:
+        try:
+            loaded[term.name] = load_term(term, cfg, device)
+        except ModelError as e:
+            raise UsageError(f"term {term.name!r}: {e}") from None
+        except ImportError as e:
+            raise UsageError(f"term {term.name!r}: kind {term.kind!r} is unavailable here ({e})") from None
+    return loaded
+
+
+def write_port_file(path: str, port: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)  # a reader never sees half a number
+
+
+def main(name: str, args) -> int:
+    import torch
+
+    from hpcnft.common import determinism
+    from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.rewards.http_server import ScoringServer
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    terms = served_terms(args.terms, cfg)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device here")
+    determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, args.device)
+    determinism.seed_globals(cfg.train.seed)  # as a reward rank of this config is seeded
+    loaded = load_terms(terms, cfg, torch.device(args.device))
+    try:
+        server = ScoringServer((args.host, args.port), loaded)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+    def stop(signum, frame) -> None:
+        # shutdown() waits for serve_forever to return, so it cannot run in the loop's own thread.
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+    with server:
+        print(f"serving {', '.join(loaded)} on http://{args.host}:{server.port}", flush=True)
+        if args.port_file:
+            try:
+                write_port_file(args.port_file, server.port)
+            except OSError as e:
+                raise UsageError(f"--port-file {args.port_file}: {e.strerror or e}") from None
+        server.serve_forever(poll_interval=0.2)
+    print("reward server stopped", flush=True)
+    return 0

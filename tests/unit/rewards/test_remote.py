@@ -1,0 +1,255 @@
+"""The `remote` reward term: scores from a scoring server equal the local term's bit for bit;
+retries on what may pass (refused, timeouts, 5xx, 429) with backoff, fails at once on the rest;
+every failure is one line naming the term and its URL."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from hpcnft.common.config import ConfigError, RewardTermConfig, load_config
+from hpcnft.rewards import remote
+from hpcnft.rewards.http_server import ScoringServer, serve_in_thread
+from hpcnft.rewards.registry import load_term
+from hpcnft.rewards.remote import RemoteRewardError, RemoteTerm
+
+PROMPTS = ["a red cube", "ein Hund im Schnee", "猫と月"]
+
+
+def images(n: int = 3, side: int = 24, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, side, side, 3), dtype=np.uint8)
+
+
+@contextlib.contextmanager
+def running(server):
+    serve_in_thread(server)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def scoring_server(terms: dict) -> ScoringServer:
+    return ScoringServer(("127.0.0.1", 0), terms, log=lambda line: None)
+
+
+def url_of(server, name: str) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/score/{name}"
+
+
+class Scripted(ThreadingHTTPServer):
+    """Answers each POST with the next (status, body) of `script`, after reading the request;
+    a status of None waits on `release` (a server that does not answer in time)."""
+
+    daemon_threads = True
+
+    def __init__(self, script: list[tuple[int | None, bytes]]):
+        self.script, self.requests, self.release = list(script), 0, threading.Event()
+        super().__init__(("127.0.0.1", 0), ScriptedHandler)
+
+    def shutdown(self):
+        self.release.set()
+        super().shutdown()
+
+
+class ScriptedHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.requests += 1
+        status, body = self.server.script.pop(0) if self.server.script else (500, b"{}")
+        if status is None:
+            self.server.release.wait(10)
+            return
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def scores_body(values) -> bytes:
+    return json.dumps({"scores": list(values)}).encode()
+
+
+def client(server, name="judge", retries=2, timeout_s=10.0, sleeps=None) -> RemoteTerm:
+    waits = [] if sleeps is None else sleeps
+    return RemoteTerm(name, url_of(server, name), timeout_s, retries, sleep=waits.append)
+
+
+class Fixed:
+    """A term with given float32 scores, whatever the images."""
+
+    def __init__(self, scores: np.ndarray):
+        self.scores = torch.from_numpy(scores)
+
+    def __call__(self, prompts, imgs):
+        return self.scores[:len(prompts)].clone()
+
+
+def test_remote_scores_are_the_local_terms_bit_for_bit():
+    cfg, cpu = load_config("tiny"), torch.device("cpu")
+    local = {k: load_term(RewardTermConfig(kind=k, name=k), cfg, cpu)
+             for k in ("jpeg_compressibility", "jpeg_incompressibility")}
+    # float32 at its edges: a third, subnormals, the largest finite value, -0.0, many digits
+    awkward = np.array([1 / 3, -2.5e-40, 3.4028235e38, -0.0, 1e-45, np.pi * 1e7, -7.1e-8], dtype=np.float32)
+    with running(scoring_server({**local, "awkward": Fixed(awkward)})) as server:
+        imgs = images()
+        for name, term in local.items():
+            got = client(server, name)(PROMPTS, imgs)
+            want = term(PROMPTS, imgs)
+            assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        many = [f"p{i}" for i in range(len(awkward))]
+        got = client(server, "awkward")(many, images(len(awkward)))
+        assert np.array_equal(got.numpy().view(np.int32), awkward.view(np.int32))
+
+
+def test_the_server_scores_each_prompt_against_its_image():
+    seen = []
+
+    def record(prompts, imgs):
+        seen.append((list(prompts), imgs.copy()))
+        return torch.zeros(len(prompts))
+
+    imgs = images(seed=3)
+    with running(scoring_server({"judge": record})) as server:
+        client(server)(PROMPTS, torch.from_numpy(imgs))
+    (prompts, got), = seen
+    assert prompts == PROMPTS and got.dtype == np.uint8 and np.array_equal(got, imgs)
+
+
+def test_two_503s_then_an_answer_succeeds_with_two_retries_and_backs_off():
+    sleeps = []
+    with running(Scripted([(503, b"{}"), (503, b"{}"), (200, scores_body([1.5, 2, -3]))])) as server:
+        got = client(server, retries=2, sleeps=sleeps)(PROMPTS, images())
+        assert server.requests == 3
+    assert got.tolist() == [1.5, 2.0, -3.0]
+    assert sleeps == [remote.backoff_s(0), remote.backoff_s(1)] == [0.5, 1.0]
+
+
+def test_backoff_doubles_and_is_capped():
+    waits = [remote.backoff_s(i) for i in range(10)]
+    assert waits[:4] == [0.5, 1.0, 2.0, 4.0] and max(waits) == remote.BACKOFF_MAX_S
+
+
+def test_retries_run_out_as_one_line_naming_the_url():
+    with running(Scripted([(503, b'{"error": "busy loading"}')] * 2)) as server:
+        term = client(server, retries=1)
+        with pytest.raises(RemoteRewardError) as e:
+            term(PROMPTS, images())
+        assert server.requests == 2
+    text = str(e.value)
+    assert text == f"reward term 'judge' (remote {term.url}): HTTP 503 (busy loading) after 2 attempts"
+
+
+def test_429_is_retried():
+    with running(Scripted([(429, b"{}"), (200, scores_body([0, 0, 0]))])) as server:
+        assert client(server, retries=1)(PROMPTS, images()).tolist() == [0, 0, 0]
+        assert server.requests == 2
+
+
+@pytest.mark.parametrize("status", [400, 404, 413])
+def test_other_client_errors_fail_at_once(status):
+    with running(Scripted([(status, b'{"error": "no such thing"}'), (200, scores_body([0, 0, 0]))])) as server:
+        term = client(server, retries=3)
+        with pytest.raises(RemoteRewardError, match=rf"^reward term 'judge' \(remote {term.url}\): "
+                                                    rf"HTTP {status} \(no such thing\)$"):
+            term(PROMPTS, images())
+        assert server.requests == 1
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_refused_names_the_url_and_the_attempts():
+    sleeps = []
+    url = f"http://127.0.0.1:{unused_port()}/v1/score/ocr"
+    with pytest.raises(RemoteRewardError) as e:
+        RemoteTerm("ocr", url, 5.0, 2, sleep=sleeps.append)(PROMPTS, images())
+    assert str(e.value) == f"reward term 'ocr' (remote {url}): connection refused after 3 attempts"
+    assert sleeps == [0.5, 1.0]
+
+
+def test_a_server_that_does_not_answer_in_time_is_a_timeout():
+    with running(Scripted([(None, b"")])) as server:
+        term = client(server, retries=0, timeout_s=0.3)
+        with pytest.raises(RemoteRewardError) as e:
+            term(PROMPTS, images())
+    assert str(e.value) == f"reward term 'judge' (remote {term.url}): timed out (timeout_s 0.3) after 1 attempt"
+
+
+@pytest.mark.parametrize("body,reason", [
+    (scores_body([1.0, 2.0]), "2 scores for 3 images"),
+    (b'{"scores": [1.0, NaN, 2.0]}', "NaN"),
+    (b'{"scores": [1.0, Infinity, 2.0]}', "Infinity"),
+    (b'{"scores": [1.0, 1e400, 2.0]}', "not finite"),
+    (b'{"scores": [1.0, 1e39, 2.0]}', "not finite float32"),
+    (b'{"scores": [1.0, "2", 3.0]}', "not numbers"),
+    (b'{"scores": [1.0, true, 3.0]}', "not numbers"),
+    (b'{"score": [1.0, 2.0, 3.0]}', 'no "scores" list'),
+    (b"[1.0, 2.0, 3.0]", 'no "scores" list'),
+    (b"<html>ok</html>", "not JSON"),
+    (b"\xff\xfe{", "not JSON"),
+])
+def test_a_malformed_answer_fails_at_once(body, reason):
+    with running(Scripted([(200, body), (200, scores_body([0, 0, 0]))])) as server:
+        term = client(server, retries=3)
+        with pytest.raises(RemoteRewardError) as e:
+            term(PROMPTS, images())
+        assert server.requests == 1
+    text = str(e.value)
+    assert text.startswith(f"reward term 'judge' (remote {term.url}): malformed answer: ") and reason in text
+    assert "\n" not in text
+
+
+def test_a_failing_term_is_a_500_with_its_reason():
+    def broken(prompts, imgs):
+        raise RuntimeError("CUDA out of memory\nTried to allocate ...")
+
+    with running(scoring_server({"judge": broken})) as server:
+        with pytest.raises(RemoteRewardError) as e:
+            client(server, retries=1)(PROMPTS, images())
+    assert str(e.value).endswith("HTTP 500 (term 'judge' failed: RuntimeError: CUDA out of memory) after 2 attempts")
+
+
+def test_a_request_beyond_the_servers_limit_is_refused_before_sending(monkeypatch):
+    monkeypatch.setattr(remote, "MAX_BODY_BYTES", 1000)
+    with running(Scripted([])) as server:
+        with pytest.raises(RemoteRewardError, match="more than a server takes"):
+            client(server)(PROMPTS, images())
+        assert server.requests == 0
+
+
+def test_prompts_and_images_must_pair_up():
+    with pytest.raises(RemoteRewardError, match="2 prompts for 3 images"):
+        RemoteTerm("judge", "http://127.0.0.1:9/", 1.0, 0)(PROMPTS[:2], images())
+    with pytest.raises(ValueError, match="uint8"):
+        RemoteTerm("judge", "http://127.0.0.1:9/", 1.0, 0)(PROMPTS, images().astype(np.float32))
+
+
+def test_a_remote_term_loads_from_its_config():
+    cfg = load_config("tiny", ['reward.terms=[{kind="remote", name="ocr", url="http://h:8000/v1/score/ocr", '
+                               'timeout_s=5.5, retries=4}]'])
+    term = load_term(cfg.reward.terms[0], cfg, torch.device("cpu"))
+    assert isinstance(term, RemoteTerm)
+    assert (term.name, term.url, term.timeout_s, term.retries) == ("ocr", "http://h:8000/v1/score/ocr", 5.5, 4)
+
+
+@pytest.mark.parametrize("setting,key", [('url="ftp://h/x"', "url"), ('url=""', "url"),
+                                         ('url="http://h/x", retries=-1', "retries"),
+                                         ('url="http://h/x", timeout_s=0', "timeout_s")])
+def test_a_remote_terms_config_is_checked(setting, key):
+    with pytest.raises(ConfigError, match=rf"reward\.terms\[0\]\.{key}"):
+        load_config("tiny", [f'reward.terms=[{{kind="remote", {setting}}}]'])
