@@ -19,7 +19,7 @@ from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import ModelError
 from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny
-from hpcnft.rewards.clip_l import TINY_CLIP_L, load_clip_l, projected, term_key
+from hpcnft.rewards.clip_l import TINY_CLIP_L, clip_l_folder, load_clip_l, projected, term_key
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 AESTHETIC_TINY = "aesthetic_tiny"
@@ -101,3 +101,9 @@ def load(term: RewardTermConfig, cfg: Config, device: torch.device) -> Aesthetic
     processor, model = load_clip_l(term, cfg, device)
     head = load_head(head_path(term, cfg), term_key(term, "weights"), model.config.projection_dim)
     return AestheticTerm(processor, model, head.to(device).eval().requires_grad_(False), device)
+
+
+def build_tiny(term: RewardTermConfig, cfg: Config) -> None:
+    """The tiny CLIP and head where the term names no folder (registry.build_tiny_models)."""
+    clip_l_folder(term, cfg)
+    head_path(term, cfg)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.rewards.base import as_uint8_numpy
-from hpcnft.rewards.clip_l import load_clip_l
+from hpcnft.rewards.clip_l import clip_l_folder, load_clip_l
 
 CLIP_TEXT_TOKENS = 77
 LOGIT_DIVISOR = 100.0
@@ -107,3 +107,8 @@ class ClipScoreTerm:
 def load(term: RewardTermConfig, cfg: Config, device: torch.device) -> ClipScoreTerm:
     processor, model = load_clip_l(term, cfg, device)
     return ClipScoreTerm(processor, model, device)
+
+
+def build_tiny(term: RewardTermConfig, cfg: Config) -> None:
+    """The tiny CLIP ViT-L/14 where the term names no folder (registry.build_tiny_models)."""
+    clip_l_folder(term, cfg)

@@ -363,3 +363,11 @@ def load(term, cfg, device: torch.device) -> HPSv2Scorer:
     model_dir = term.model_dir or ensure_tiny(tiny_cache(cfg), TINY_DIRNAME, build_tiny_hpsv2)
     return load_hpsv2(model_dir, device, weights=term.weights, processor_dir=term.processor_dir,
                       key=f"reward.terms[{term.name or term.kind}]")
+
+
+def build_tiny(term, cfg) -> None:
+    """The tiny HPS model where the term names no folder (registry.build_tiny_models)."""
+    if not term.model_dir:
+        from hpcnft.rewards.registry import tiny_cache
+
+        ensure_tiny(tiny_cache(cfg), TINY_DIRNAME, build_tiny_hpsv2)

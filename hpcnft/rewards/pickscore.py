@@ -89,3 +89,11 @@ def load(term, cfg, device: torch.device) -> PickScoreScorer:
     model = term.model_dir or resolve_model_paths(cfg).pickscore
     processor = term.processor_dir or (cfg.models.pickscore_processor_dir if not term.model_dir else "") or model
     return levers.prepare_scorer(PickScoreScorer(*load_pickscore(model, processor, device), device), cfg)
+
+
+def build_tiny(term, cfg) -> None:
+    """The tiny PickScore (built with the tiny SD3) where no folder is named."""
+    if not term.model_dir and not cfg.models.pickscore_dir:
+        from hpcnft.models.loading import resolve_model_paths
+
+        resolve_model_paths(cfg)

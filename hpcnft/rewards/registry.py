@@ -38,6 +38,15 @@ def load_term(term: RewardTermConfig, cfg: Config, device: torch.device):
     return importlib.import_module(MODULES[term.kind]).load(term, cfg, device)
 
 
+def build_tiny_models(cfg: Config) -> None:
+    """Build the tiny model of every term that names no folder. Called before the process group
+    exists: with a group up, transformers' save_pretrained writes nothing on ranks other than 0."""
+    for term in job_terms(cfg):
+        build = getattr(importlib.import_module(MODULES[term.kind]), "build_tiny", None)
+        if build is not None:
+            build(term, cfg)
+
+
 def tiny_cache(cfg: Config) -> str:
     from hpcnft.models.tiny_cache import cache_dir
 

@@ -19,6 +19,7 @@ from hpcnft.dist import groups
 from hpcnft.dist.launch import LaunchInfo
 from hpcnft.dist.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
+from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.resume import RunFileLostError, agree_plan
@@ -91,6 +92,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
         if info.rank == 0 and (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
             print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)
+        build_tiny_models(cfg)  # the reward terms' tiny models
     except BAD_INPUT as e:
         print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
         return EXIT_BAD_INPUT

@@ -1,7 +1,8 @@
 """Several reward terms end to end (tiny_multireward): the training reward is the weighted sum
 of the terms' scores, every term has its rollout and eval metrics, evaluation-only terms are
 scored at evaluation only, and 2+2 (two reward ranks, each serving its train rank) gives the
-bits of 2+1."""
+bits of 2+1. The first run builds every tiny model into an empty cache, on the reward rank too
+(rank 2: the terms' models must be written before the process group exists)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,8 @@ ARGS = ["--steps", "2", "--set", "eval.every=2", "--set", "checkpoint.every=0"]
 @pytest.fixture(scope="module")
 def two_plus_one(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("multi") / "run")
-    hpcnft("run", "tiny_multireward", "--run-dir", run_dir, *ARGS)
+    cache = str(tmp_path_factory.mktemp("empty-cache"))
+    hpcnft("run", "tiny_multireward", "--run-dir", run_dir, *ARGS, "--set", f"models.tiny_cache={cache!r}")
     return run_dir
 
 
