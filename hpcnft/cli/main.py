@@ -9,14 +9,14 @@ import sys
 
 from hpcnft.common.errors import UsageError
 
-DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 against a PickScore reward, as one "
-               "torch.distributed job, and the tools around its runs.")
+DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 against PickScore or a weighted mix of "
+               "reward terms, as one torch.distributed job, and the tools around its runs.")
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
     "submit": ("hpcnft.cli.submit", "submit a run through submitit (slurm, local or debug)"),
-    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3 and PickScore model folders"),
+    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3, PickScore and reward-term model folders"),
     "compare": ("hpcnft.cli.report", "compare the metric series of two runs or standards"),
     "show": ("hpcnft.cli.report", "summarise a run file: config, topology, attempts, events, metrics"),
     "plot": ("hpcnft.cli.report", "plot metric curves of one or more runs to a PNG"),

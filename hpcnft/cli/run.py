@@ -17,7 +17,8 @@ from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, 
 
 def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
-        p.add_argument("dir", help="output folder; receives sd35_tiny/ and pickscore_tiny/")
+        p.add_argument("dir", help="output folder; receives sd35_tiny/, pickscore_tiny/ and the reward terms' "
+                                   "tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
     from hpcnft.common.config import recipe_names
 
@@ -33,9 +34,19 @@ def main(name: str, args) -> int:
     if name == "make-tiny":
         from hpcnft.models.tiny import build_tiny_models, tree_digest
 
-        sd3, ps = build_tiny_models(args.dir)
-        print(f"{sd3}  sha256 {tree_digest(sd3)}")
-        print(f"{ps}  sha256 {tree_digest(ps)}")
+        import shutil
+
+        from hpcnft.rewards.registry import tiny_term_builders
+
+        built = list(build_tiny_models(args.dir))
+        for name, build in tiny_term_builders().items():
+            folder = os.path.join(args.dir, name)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            build(folder)
+            built.append(folder)
+        for folder in built:
+            print(f"{folder}  sha256 {tree_digest(folder)}")
         return 0
     return start(args)
 

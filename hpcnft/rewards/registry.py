@@ -47,6 +47,14 @@ def build_tiny_models(cfg: Config) -> None:
             build(term, cfg)
 
 
+def tiny_term_builders() -> dict[str, object]:
+    """Folder name -> builder(folder) of every term's tiny model (`hpcnft make-tiny`)."""
+    from hpcnft.rewards import aesthetic, clip_l, hpsv2
+
+    return {clip_l.CLIP_L_TINY: clip_l.build_tiny_clip_l, aesthetic.AESTHETIC_TINY: aesthetic.build_tiny_head,
+            hpsv2.TINY_DIRNAME: hpsv2.build_tiny_hpsv2}
+
+
 def tiny_cache(cfg: Config) -> str:
     from hpcnft.models.tiny_cache import cache_dir
 

@@ -181,6 +181,25 @@ def test_sigusr2_over_three_nodes_checkpoints_requeues_resumes_identical(multino
     assert_same_metrics(ref_short, str(run_dir))
 
 
+def test_scontrol_requeue_over_three_nodes_resumes_identical(multinode_cluster, ref_short, tmp_path, jobs):
+    """`scontrol requeue` of a running 2+1 job over three nodes: Slurm ends every node's rank
+    (SIGTERM: they checkpoint), starts the job again on the nodes, and it resumes bit for bit."""
+    run_dir = tmp_path / "run"
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, SHORT_SET, cwd=tmp_path, args=ONE_PER_NODE)
+    jobs.append(job)
+    at = wait_for_job_step(job, 2, run_dir)
+    assert at < SHORT_STEPS - 2, f"the run was already at step {at}: too late to requeue"
+    p = _run(["scontrol", "requeue", job])
+    assert p.returncode == 0, p.stderr
+    state = wait(job, timeout=LONG_TIMEOUT)
+    assert state == "COMPLETED", diagnose(run_dir, job)
+    assert "REQUEUED" in sacct_states(job), sacct_states(job)
+    check_attempts(run_dir, [0, 1], job, "slurm")
+    assert topology(run_dir)["hosts"] == ["node1", "node2", "node3"]
+    assert "resume" in [e["kind"] for e in read_run(str(run_dir)).events]
+    assert_same_metrics(ref_short, str(run_dir))
+
+
 def node_namespace(node: str) -> str:
     """The network namespace tools/local_slurm.sh runs NODE in."""
     for line in _run(["ip", "netns", "list"]).stdout.splitlines():

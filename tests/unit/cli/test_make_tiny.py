@@ -1,0 +1,31 @@
+"""`hpcnft make-tiny DIR` writes every tiny model, the reward terms' included, and each folder
+loads as the model_dir of its term."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from hpcnft.cli.main import main
+from hpcnft.common.config import RewardTermConfig, load_config
+from hpcnft.rewards.aesthetic import HEAD_FILE
+from hpcnft.rewards.registry import load_term
+
+
+def test_make_tiny_writes_every_model_and_the_terms_load_from_it(tmp_path, capsys):
+    out = str(tmp_path / "tiny")
+    assert main(["make-tiny", out]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = sorted(os.path.basename(line.split()[0]) for line in lines)
+    assert names == ["aesthetic_tiny", "clip_l_tiny", "hpsv2_tiny", "pickscore_tiny", "sd35_tiny"]
+    assert all(len(line.split("sha256 ")[1]) == 64 for line in lines)
+    cfg = load_config("tiny")
+    images = np.random.default_rng(0).integers(0, 256, (2, 64, 64, 3), dtype=np.uint8)
+    for term in (RewardTermConfig(kind="pickscore", model_dir=f"{out}/pickscore_tiny"),
+                 RewardTermConfig(kind="hpsv2", model_dir=f"{out}/hpsv2_tiny"),
+                 RewardTermConfig(kind="clipscore", model_dir=f"{out}/clip_l_tiny"),
+                 RewardTermConfig(kind="aesthetic", model_dir=f"{out}/clip_l_tiny",
+                                  weights=f"{out}/aesthetic_tiny/{HEAD_FILE}")):
+        scores = load_term(term, cfg, torch.device("cpu"))(["a red cube", "a cat"], images)
+        assert scores.shape == (2,) and torch.isfinite(scores).all(), term.kind
