@@ -17,11 +17,15 @@ Stacks, each measured in turn in this process:
 Phases: rollout DiT forward (batch 8/16), VAE decode, PickScore of one iteration's images, the
 train pair (v_old + v_theta + backward through Trainer.step, micro-batch 4/16) and one whole
 iteration of the recipe (64 samples x 10 steps at 512 px, 64 decodes and PickScores, 576 pairs).
+`--phases reward_terms` (not a default phase) adds the other reward terms on one iteration's
+images in the fast stack: HPSv2, CLIP score, aesthetic (random-weight towers at the real shapes,
+fp32, as a job loads them) and JPEG size.
 `--profile DIR` adds a torch.profiler table and a kernel summary of the "hpcnft fast" rollout
 forward and train pairs.
 
-Modules: shapes (shapes, random-weight models), timing, eager (the baseline stack), stack (the
-package's path), levers, report, profiling, run (Bench and the command line).
+Modules: shapes (shapes, random-weight models), terms (the reward terms beside PickScore), timing,
+eager (the baseline stack), stack (the package's path), levers, report, profiling, run (Bench and
+the command line).
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from hpcnft.bench.shapes import SHAPES
 from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 
-PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
+PHASES = ("rollout", "vae", "pickscore", "train", "iteration", "reward_terms")
+DEFAULT_PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
 
 
 def _phase_list(text: str) -> list[str]:
@@ -47,9 +48,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="timed whole iterations of the hpcnft stacks, median (default 1; eager: always 1)")
     p.add_argument("--all-shapes", action="store_true",
                    help="measure 'hpcnft fast' at every rollout batch and micro-batch too (more compiles)")
-    p.add_argument("--phases", type=_phase_list, default=list(PHASES), metavar="NAME[,NAME]",
-                   help=f"measure only these phases of every stack (default: all of {','.join(PHASES)}); "
-                        "e.g. 'iteration' for whole iterations alone")
+    p.add_argument("--phases", type=_phase_list, default=list(DEFAULT_PHASES), metavar="NAME[,NAME]",
+                   help=f"measure only these phases of every stack (default: {','.join(DEFAULT_PHASES)}); "
+                        "e.g. 'iteration' for whole iterations alone; 'reward_terms': the HPSv2, CLIP score, "
+                        "aesthetic and JPEG size terms beside PickScore, in the fast stack")
     p.add_argument("--own-shapes", action="store_true",
                    help="measure 'hpcnft fast' at its own rollout batch and micro-batch only, not also at the "
                         "eager stack's (fewer compiles)")

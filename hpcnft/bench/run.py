@@ -137,7 +137,11 @@ class Bench:
                "train_flops": int(parts["train"][0]["flops"] * parts["train"][1])}
         return out
 
-    def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True) -> list[tuple]:
+    def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True, terms=False) -> list[tuple]:
+        """The phases of `stack` that --phases asks for. `terms`: the reward terms beside
+        PickScore too (measured once, in the fast stack: no lever touches them)."""
+        from hpcnft.bench.terms import TERMS
+
         S, only = self.S, set(self.args.phases)
         rollout_batches = rollout_batches if "rollout" in only else []
         micro_batches = micro_batches if "train" in only else []
@@ -149,6 +153,9 @@ class Bench:
             out.append(("vae_decode", lambda: stack.vae_decode(b), "image", b))
         if pick:
             out.append(("pickscore", lambda: stack.pickscore(S.samples), "image", S.samples))
+        if terms and "reward_terms" in only:
+            out += [(kind, (lambda kind=kind: stack.reward_term(kind, S.samples)), "image", S.samples)
+                    for kind in TERMS]
         for mb in micro_batches:
             out.append((f"train_pair_mb{mb}", (lambda mb=mb: stack.train_pairs(mb)), "pair", TRAIN_K * mb,
                         max(1, S.warm - 1), max(2, S.reps - 2)))
@@ -199,8 +206,11 @@ class Bench:
         fm = {fast_mb} if args.own_shapes else {fast_mb, max(S.micro_batches)}
         fb = sorted(fb | (set(S.rollout_batches) if args.all_shapes else set()))
         fm = sorted(fm | (set(S.micro_batches) if args.all_shapes else set()))
-        rec = self.run_stack(fast, self.phases_for(fast, fb, fm), self.iteration_for("fast"),
+        rec = self.run_stack(fast, self.phases_for(fast, fb, fm, terms=True), self.iteration_for("fast"),
                              {"rollout_batch": fast_b, "micro_batch": fast_mb})
+        if fast.term_towers:
+            rec["reward_term_towers"] = fast.term_towers
+            self.save()
         # What the numerics levers cost, where the phases asked for use what they change: the
         # fp8 cost samples at the rollout shapes (on a GPU, compiles them); not for --phases train.
         # v_old's fp8 cost runs one micro-batch at the train shapes.

@@ -36,6 +36,8 @@ class Shapes:
     lora_alpha: int
     warm: int
     reps: int
+    hpsv2_arch: dict  # the HPSv2 term's CLIP, as an open_clip model config
+    clip_l: dict  # the clipscore and aesthetic terms' CLIP (hpcnft.rewards.clip_l's layout)
 
     @property
     def samples(self) -> int:
@@ -47,6 +49,9 @@ class Shapes:
 
 
 def sd35m_shapes() -> Shapes:
+    from hpcnft.rewards.clip_l import VIT_L_14
+    from hpcnft.rewards.hpsv2 import VIT_H_14
+
     return Shapes(
         name="sd35m", recipe="sd35m_pickscore",
         dit=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
@@ -63,18 +68,21 @@ def sd35m_shapes() -> Shapes:
                          image_size=224, patch_size=14, hidden_act="gelu", projection_dim=1024),
         clip_projection=1024, size=512, t5_tokens=256, prompts=8, per_prompt=8, num_steps=10,
         rollout_batches=(8, 16), micro_batches=(4, 16), ceiling_n=8192, lora_rank=32, lora_alpha=64,
-        warm=2, reps=5)
+        warm=2, reps=5, hpsv2_arch=VIT_H_14, clip_l=VIT_L_14)
 
 
 def tiny_shapes() -> Shapes:
     from hpcnft.models.tiny import TINY_PICKSCORE, TINY_TRANSFORMER, TINY_VAE
+    from hpcnft.rewards.clip_l import TINY_CLIP_L
+    from hpcnft.rewards.hpsv2 import TINY_EMBED_DIM, TINY_TEXT, TINY_VISION
 
     return Shapes(
         name="tiny", recipe="tiny", dit=dict(TINY_TRANSFORMER), vae=dict(TINY_VAE),
         clip_text=dict(TINY_PICKSCORE["text"], vocab_size=1024), clip_vision=dict(TINY_PICKSCORE["vision"]),
         clip_projection=TINY_PICKSCORE["projection_dim"], size=64, t5_tokens=16, prompts=2, per_prompt=4,
         num_steps=10, rollout_batches=(4, 8), micro_batches=(4, 8), ceiling_n=512, lora_rank=8, lora_alpha=16,
-        warm=1, reps=2)
+        warm=1, reps=2, hpsv2_arch={"embed_dim": TINY_EMBED_DIM, "vision_cfg": TINY_VISION, "text_cfg": TINY_TEXT},
+        clip_l=TINY_CLIP_L)
 
 
 SHAPES = {"sd35m": sd35m_shapes, "tiny": tiny_shapes}

@@ -72,6 +72,7 @@ class HpcnftStack:
         self.cfg = bench_config(S, dev, overrides)
         self.config = {"overrides": {k: v for k, v in overrides.items()}}
         self._policy = self._vae = self._scorer = self._tr = None
+        self.term_towers = {}  # what each reward term beside PickScore ran (bench.terms.build_term)
         self.step_no = 0
         self.last_metrics = {}
 
@@ -170,6 +171,16 @@ class HpcnftStack:
         images, prompts = random_images(self.S, n), prompt_list(n)
         scorer = self.scorer
         return (lambda: scorer(prompts, images)), contextlib.nullcontext
+
+    def reward_term(self, kind: str, n: int):
+        """One of the other reward terms (bench.terms) on n images with their prompts, its
+        preprocessing included. Smooth images, as decoded ones are: the JPEG size's time
+        depends on the content."""
+        from hpcnft.bench.terms import build_term
+
+        term, self.term_towers[kind] = build_term(self.S, kind, self.dev)
+        images, prompts = smooth_images(self.S, n), prompt_list(n)
+        return (lambda: term(prompts, images)), contextlib.nullcontext
 
     def preprocess_cost(self, n: int) -> dict:
         """What perf.pickscore_preprocess="device" costs in reward: PickScore of the same images

@@ -30,6 +30,15 @@ TINY_CLIP_L = dict(
                 image_size=224, patch_size=14, hidden_act="quick_gelu"),
     projection_dim=24,
 )
+# openai/clip-vit-large-patch14's config.json, the fields that shape the towers (the rest are
+# CLIPConfig's defaults); the bench builds the terms' towers at these widths.
+VIT_L_14 = dict(
+    text=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, vocab_size=49408, hidden_act="quick_gelu"),
+    vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                image_size=224, patch_size=14, hidden_act="quick_gelu"),
+    projection_dim=768,
+)
 
 
 def term_key(term: RewardTermConfig, field: str) -> str:
@@ -37,9 +46,21 @@ def term_key(term: RewardTermConfig, field: str) -> str:
     return f"reward.terms[{term.name or term.kind}].{field}"
 
 
+def clip_l_config(arch: dict, tokenizer):
+    """CLIPConfig of towers laid out as `arch` (TINY_CLIP_L, VIT_L_14): the tokenizer's special
+    ids (the text tower pools at its end token), its vocabulary where `arch` names none, and
+    ViT-L/14's learned temperature."""
+    from transformers import CLIPConfig
+
+    text = {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **arch["text"]}
+    return CLIPConfig(text_config=text, vision_config=dict(arch["vision"]), projection_dim=arch["projection_dim"],
+                      logit_scale_init_value=math.log(100.0))
+
+
 def build_tiny_clip_l(folder: str, seed: int = 0) -> None:
     """Write a CLIPModel + CLIPProcessor in ViT-L/14's layout into `folder` (deterministic)."""
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+    from transformers import CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
     from hpcnft.models.tiny import CHAR_COVERAGE, PROMPTS
     from hpcnft.models.tiny_tokenizers import finish_tokenizer_dir, make_clip_tokenizer
@@ -53,14 +74,7 @@ def build_tiny_clip_l(folder: str, seed: int = 0) -> None:
         image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD, do_convert_rgb=True,
     )
     torch.manual_seed(seed)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, **TINY_CLIP_L["text"]),
-        vision_config=dict(TINY_CLIP_L["vision"]),
-        projection_dim=TINY_CLIP_L["projection_dim"],
-        logit_scale_init_value=math.log(100.0),  # ViT-L/14's learned temperature
-    )
-    CLIPModel(config).save_pretrained(folder, safe_serialization=True)
+    CLIPModel(clip_l_config(TINY_CLIP_L, tok)).save_pretrained(folder, safe_serialization=True)
     CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(folder)
     finish_tokenizer_dir(folder, tok_src)
     shutil.rmtree(tok_src)

@@ -1,5 +1,6 @@
 """`hpcnft bench` through the real command line at the tiny shapes, on the CPU."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -164,3 +165,29 @@ def test_bench_variant_measures_fast_with_one_change_in_the_same_process(tmp_pat
     assert "Traceback" not in r.stderr
     r = hpcnft("bench", "--shapes", "tiny", "--variant", "all", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2 and "--variant 'all': expected KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_reward_terms_times_every_term_per_image(tmp_path):
+    from hpcnft.bench.shapes import tiny_shapes
+    from hpcnft.bench.terms import TERMS
+
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "reward_terms", "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and not doc["skipped"], doc
+    fast = doc["stacks"]["hpcnft_fast"]
+    assert set(doc["stacks"]) == {"hpcnft_fast"} and set(fast["phases"]) == set(TERMS)
+    for kind in TERMS:
+        m = fast["phases"][kind]
+        assert m["unit"] == "image" and m["per"] == tiny_shapes().samples, (kind, m)
+        assert math.isfinite(m["per_unit_s"]) and m["per_unit_s"] > 0, (kind, m)
+        assert m["per_unit_s"] == pytest.approx(m["s"] / m["per"]), (kind, m)
+        assert f"| {kind} | " in r.stdout
+    for kind in ("hpsv2", "clipscore", "aesthetic"):  # the CLIP towers' FLOPs and MFU, as PickScore's
+        m, towers = fast["phases"][kind], fast["reward_term_towers"][kind]
+        assert m["flops"] > 0 and 0 < m["mfu"] < 1, (kind, m)
+        assert towers["vision_params"] > 0 and towers["text_params"] > 0 and towers["dtype"] == "fp32", towers
+    assert fast["reward_term_towers"]["aesthetic"]["head_params"] > 0
+    assert not fast["phases"]["jpeg"].get("flops")  # no model: nothing to count
