@@ -78,3 +78,25 @@ def assert_same_metrics(run_a: str, run_b: str) -> None:
             x, y = fa[f"metrics/{key}"][()], fb[f"metrics/{key}"][()]
             assert x.shape == y.shape, key
             assert np.array_equal(x, y, equal_nan=True), key
+
+
+# Train metrics of different train-rank counts differ only by the order in which gradients and
+# metric sums are reduced; over one step that is far below this tolerance (README, Determinism).
+TRAIN_RTOL = 1e-5
+
+
+def assert_step_one_agrees(ref_run: str, run: str, rollout_rtol: float = 0.0) -> None:
+    """Step 1 of one config on two layouts: the rollout metrics bit-identical (the same images and
+    scores, whoever made them), or within `rollout_rtol` when a lever may round the rollout
+    otherwise; the training metrics within TRAIN_RTOL."""
+    ref, got = non_perf(read_run(ref_run).metrics), non_perf(read_run(run).metrics)
+    rollout = [k for k in got if k.startswith("rollout/reward/")]
+    train = [k for k in got if k.startswith("train/")]
+    assert rollout and train and set(rollout + train) <= set(ref)
+    for key in rollout:
+        if rollout_rtol:
+            assert np.allclose(got[key][0, 1], ref[key][0, 1], rtol=rollout_rtol, atol=1e-9), key
+        else:
+            assert got[key][0, 1] == ref[key][0, 1], key
+    for key in train:
+        assert np.allclose(got[key][0, 1], ref[key][0, 1], rtol=TRAIN_RTOL, atol=1e-12, equal_nan=True), key

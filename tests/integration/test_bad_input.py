@@ -62,6 +62,12 @@ def _case_empty_prompt_file(tmp):
     return ["--set", f"data.eval_prompts={p}"], ["data.eval_prompts", str(p), "empty"]
 
 
+def _case_drawbench_without_its_column(tmp):
+    p = tmp / "DrawBench.csv"
+    p.write_text("Prompt,Category\nA red colored car.,Colors\n")
+    return ["--set", f"data.eval_prompts=drawbench:{p}#Colors"], ["data.eval_prompts", str(p), "'Prompts'"]
+
+
 def _case_unknown_recipe(tmp):
     return ["no_such_recipe"], ["no_such_recipe", "tiny", "sd35m_pickscore"]
 
@@ -96,6 +102,7 @@ CASES = {
     "incomplete model folder": _case_incomplete_model_folder,
     "missing prompt file": _case_missing_prompt_file,
     "empty prompt file": _case_empty_prompt_file,
+    "DrawBench copy without its column": _case_drawbench_without_its_column,
     "unknown recipe": _case_unknown_recipe,
     "unknown config key": _case_unknown_config_key,
     "wrong type": _case_wrong_type,

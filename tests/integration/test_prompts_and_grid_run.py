@@ -1,5 +1,6 @@
 """A run with prompts longer than the text encoders take says so once, and its sample grid holds
-the configured number of rollout images from every train rank, a column per prompt."""
+the configured number of rollout images from every train rank, a column per prompt. Its eval
+prompts come from one category of a DrawBench-shaped CSV."""
 from __future__ import annotations
 
 import os
@@ -21,10 +22,17 @@ def test_long_prompts_warn_once_and_the_grid_shows_both_train_ranks(tmp_path):
     prompts = [prompts[0], long_line, prompts[1], prompts[2] + " with a small dog" * 3] + prompts[3:]
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(prompts) + "\n")
+    # the built-in eval prompts as a DrawBench copy: the first 5 in category "Colors", quoted
+    eval_prompts = read_prompt_file("builtin:tiny_eval_prompts.txt", "p")
+    table = tmp_path / "DrawBench.csv"
+    rows = [f'"{p}",{"Colors" if i < 5 else "Text"}' for i, p in enumerate(eval_prompts)]
+    table.write_text("\r\n".join(["Prompts,Category", *rows]) + "\r\n")
     run_dir = str(tmp_path / "run")
     r = hpcnft("run", "tiny", "--steps", "1", "--run-dir", run_dir, "--set", f"data.train_prompts={path}",
-               "--set", "checkpoint.at_end=false", "--set", "eval.at_end=false")
-    expected = ("2 of 41 prompts (train and eval) are longer than the text encoders take and are truncated: "
+               "--set", f"data.eval_prompts=drawbench:{table}#Colors", "--set", "checkpoint.at_end=false",
+               "--set", "eval.at_end=false")
+    counted = len(prompts) + 5  # the train prompts and the eval prompts of "Colors" (eval.num_prompts is 8)
+    expected = (f"2 of {counted} prompts (train and eval) are longer than the text encoders take and are truncated: "
                 "CLIP cuts 1 (over 77 tokens), T5 cuts 2 (over rollout.max_sequence_length = 16 tokens)")
     assert r.stderr.count("truncated") == 1, r.stderr
     assert f"hpcnft: warning: {expected}" in r.stderr.splitlines()

@@ -9,7 +9,7 @@ import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
-from jobs import assert_same_metrics, hpcnft, non_perf
+from jobs import assert_same_metrics, assert_step_one_agrees, hpcnft
 from hpcnft.algo.sampler import sigma_grid
 from hpcnft.io.runfile import PER_STEP_KEYS, read_run
 
@@ -71,11 +71,6 @@ def test_torchrun_gives_the_same_metrics(three_steps, tmp_path):
     assert_same_metrics(three_steps[0], run_dir)
 
 
-# Train metrics of different train-rank counts differ only by the order in which gradients and
-# metric sums are reduced; over one step that is far below this tolerance.
-TRAIN_RTOL = 1e-5
-
-
 # The CPU-capable speed levers of world 1 (hpcnft/perf/levers.py). At step 1 LoRA's B is zero, so the
 # merged weights are the base weights exactly; the fused q/k/v GEMM may round differently.
 WORLD1_LEVERS = ("perf.skip_single_rank_fsdp=true", "perf.merge_lora_nograd=true", "perf.fuse_qkv=true",
@@ -90,14 +85,7 @@ def test_layouts_agree_at_step_one(three_steps, tmp_path, train_ranks, reward_ra
     sets = [a for lever in levers for a in ("--set", lever)]
     hpcnft("run", "tiny", "--steps", "1", "--run-dir", run_dir, "--set", f"layout.train_ranks={train_ranks}",
            "--set", f"layout.reward_ranks={reward_ranks}", *sets)
-    ref, got = non_perf(read_run(three_steps[0]).metrics), non_perf(read_run(run_dir).metrics)
-    for key in (k for k in got if k.startswith("rollout/reward/")):
-        if levers:
-            assert np.allclose(got[key][0, 1], ref[key][0, 1], rtol=1e-6, atol=1e-9), key
-        else:
-            assert got[key][0, 1] == ref[key][0, 1], key  # the same images and scores, whoever made them
-    for key in (k for k in got if k.startswith("train/")):
-        assert np.allclose(got[key][0, 1], ref[key][0, 1], rtol=TRAIN_RTOL, atol=1e-12, equal_nan=True), key
+    assert_step_one_agrees(three_steps[0], run_dir, rollout_rtol=1e-6 if levers else 0.0)
 
 
 def test_fp16_path_skips_the_overflowing_first_step(tmp_path):
