@@ -18,7 +18,7 @@ from torch import nn
 from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import ModelError
-from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny
+from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny, tiny_cache
 from hpcnft.rewards.clip_l import TINY_CLIP_L, clip_l_folder, load_clip_l, projected, term_key
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
@@ -57,8 +57,6 @@ def head_path(term: RewardTermConfig, cfg: Config) -> str:
         return term.weights
     if term.model_dir:
         return os.path.join(term.model_dir, HEAD_FILE)
-    from hpcnft.rewards.registry import tiny_cache
-
     return os.path.join(ensure_tiny(tiny_cache(cfg), AESTHETIC_TINY, build_tiny_head), HEAD_FILE)
 
 

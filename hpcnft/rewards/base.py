@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from hpcnft.models.tiny_cache import DONE_MARKER
+from hpcnft.models.tiny_cache import DONE_MARKER, cache_dir
 
 
 class RewardTerm(Protocol):
@@ -30,6 +30,11 @@ def as_uint8_numpy(images: np.ndarray | torch.Tensor) -> np.ndarray:
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"reward terms take uint8 images [n, H, W, 3], got {images.dtype} {tuple(images.shape)}")
     return np.ascontiguousarray(images)
+
+
+def tiny_cache(cfg) -> str:
+    """Where the terms' tiny models are built: models.tiny_cache, else the default cache."""
+    return cfg.models.tiny_cache or cache_dir()
 
 
 def ensure_tiny(cache_dir: str, name: str, build: Callable[[str], None]) -> str:

@@ -17,7 +17,7 @@ import torch
 from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
-from hpcnft.rewards.base import ensure_tiny
+from hpcnft.rewards.base import ensure_tiny, tiny_cache
 
 CLIP_L_TINY = "clip_l_tiny"
 CLIP_MODEL_REQUIRED = ("config.json",)
@@ -84,8 +84,6 @@ def clip_l_folder(term: RewardTermConfig, cfg: Config) -> str:
     """The term's CLIP folder: model_dir, or the tiny one (built on first use) when empty."""
     if term.model_dir:
         return term.model_dir
-    from hpcnft.rewards.registry import tiny_cache
-
     return ensure_tiny(tiny_cache(cfg), CLIP_L_TINY, build_tiny_clip_l)
 
 

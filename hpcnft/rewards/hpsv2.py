@@ -25,7 +25,7 @@ from PIL import Image
 
 from hpcnft.common.errors import first_line, one_line
 from hpcnft.models.folders import ModelError, check_folder
-from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny
+from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny, tiny_cache
 
 HPS_CHECKPOINT = "HPS_v2.1_compressed.pt"
 ARCH_FILE = "hpsv2_config.json"
@@ -358,8 +358,6 @@ def build_tiny_hpsv2(folder: str, seed: int = 0) -> str:
 
 def load(term, cfg, device: torch.device) -> HPSv2Scorer:
     """The term's folder (model_dir, weights, processor_dir), else the tiny HPS model."""
-    from hpcnft.rewards.registry import tiny_cache
-
     model_dir = term.model_dir or ensure_tiny(tiny_cache(cfg), TINY_DIRNAME, build_tiny_hpsv2)
     return load_hpsv2(model_dir, device, weights=term.weights, processor_dir=term.processor_dir,
                       key=f"reward.terms[{term.name or term.kind}]")
@@ -368,6 +366,4 @@ def load(term, cfg, device: torch.device) -> HPSv2Scorer:
 def build_tiny(term, cfg) -> None:
     """The tiny HPS model where the term names no folder (registry.build_tiny_models)."""
     if not term.model_dir:
-        from hpcnft.rewards.registry import tiny_cache
-
         ensure_tiny(tiny_cache(cfg), TINY_DIRNAME, build_tiny_hpsv2)

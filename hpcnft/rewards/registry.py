@@ -55,7 +55,3 @@ def tiny_term_builders() -> dict[str, object]:
             hpsv2.TINY_DIRNAME: hpsv2.build_tiny_hpsv2}
 
 
-def tiny_cache(cfg: Config) -> str:
-    from hpcnft.models.tiny_cache import cache_dir
-
-    return cfg.models.tiny_cache or cache_dir()
