@@ -1,5 +1,10 @@
-"""The figures of `hpcnft plot`: metric curves of several runs, and a run's sample grids
-(matplotlib, imported only here and only when a figure is drawn)."""
+"""The figures of `hpcnft plot`: metric curves of several runs, smoothed on request, and a run's
+sample grids (matplotlib, imported only here and only when a figure is drawn).
+
+Smoothing: `--smooth N` draws the rolling mean over the N steps ending at each row; `--smooth
+epoch` the mean over each pass over the training prompts. A step's prompts cycle through the file,
+so the reward of one step mostly says which prompts it drew; a pass holds every prompt once, and
+its mean is what a trend is read from."""
 from __future__ import annotations
 
 import math
@@ -10,6 +15,7 @@ import numpy as np
 
 from hpcnft.common.errors import UsageError
 from hpcnft.io import runfile
+from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
 
 DEFAULT_PLOT_KEYS = ["rollout/reward/raw_mean", "train/nft_loss", "train/grad_norm", "train/nft_pos_loss",
                      "eval/pickscore_mean"]
@@ -24,16 +30,90 @@ def _pyplot():
     return plt
 
 
-def plot_curves(runs: list[runfile.RunData], out: str, keys: list[str] | None = None) -> list[str]:
+EPOCH = "epoch"  # --smooth epoch: the mean per pass over the training prompts
+
+
+def rolling_mean(steps: np.ndarray, values: np.ndarray, window: int) -> np.ndarray:
+    """At each row, the mean of the finite values of the rows whose step lies in the `window`
+    steps ending at that row's step (fewer at the start or across gaps); NaN where none is
+    finite, so that one skipped step does not blank its neighbours. Rows in step order."""
+    means = np.full(len(values), np.nan)
+    finite = np.isfinite(values)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    ccount = np.concatenate([[0], np.cumsum(finite)])
+    first = np.searchsorted(steps, steps - window, side="right")  # the first row with step > k - window
+    last = np.arange(1, len(values) + 1)
+    count = ccount[last] - ccount[first]
+    has = count > 0
+    means[has] = (csum[last] - csum[first])[has] / count[has]
+    return means
+
+
+def pass_index(steps: np.ndarray, prompts_per_step: int, num_prompts: int) -> np.ndarray:
+    """The pass over the prompts each step belongs to: that of its first prompt, (k-1)*P // n
+    (step 0, an evaluation before training, is pass -1 of its own)."""
+    return ((steps.astype(np.int64) - 1) * prompts_per_step) // num_prompts
+
+
+def pass_means(steps: np.ndarray, values: np.ndarray, prompts_per_step: int,
+               num_prompts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the mean step, the mean of the finite values) of each pass the rows reach to its last
+    step; the run's unfinished last pass, which holds only some prompts, is left out."""
+    if not len(steps):
+        return np.zeros(0), np.zeros(0)
+    passes = pass_index(steps, prompts_per_step, num_prompts)
+    centres, means = [], []
+    for p in np.unique(passes):
+        last_step = ((p + 1) * num_prompts - 1) // prompts_per_step + 1
+        if steps[-1] < last_step:
+            continue
+        mine = passes == p
+        finite = values[mine][np.isfinite(values[mine])]
+        centres.append(steps[mine].mean())
+        means.append(finite.mean() if len(finite) else np.nan)
+    return np.array(centres, dtype=float), np.array(means, dtype=float)
+
+
+def run_pass_length(run: runfile.RunData) -> tuple[int, int]:
+    """(prompts per step, number of training prompts) of a run, from its config and prompt file."""
+    try:
+        per_step = int(run.config["rollout"]["prompts_per_step"])
+        spec = run.config["data"]["train_prompts"]
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{run.path}: --smooth epoch needs rollout.prompts_per_step and "
+                         "data.train_prompts in the run's config") from None
+    try:
+        return per_step, len(read_prompt_file(spec, "data.train_prompts"))
+    except PromptFileError as e:
+        raise UsageError(f"{run.path}: --smooth epoch counts the run's prompts: {e}") from None
+
+
+def parse_smooth(text: str | None) -> int | str | None:
+    """--smooth's value: `epoch`, or a whole number of steps (1 or more)."""
+    if text is None or text == EPOCH:
+        return text
+    try:
+        window = int(text)
+    except ValueError:
+        window = 0
+    if window < 1:
+        raise UsageError(f"--smooth: {text!r} is neither a number of steps (1 or more) nor {EPOCH!r}")
+    return window
+
+
+def plot_curves(runs: list[runfile.RunData], out: str, keys: list[str] | None = None,
+                smooth: int | str | None = None) -> list[str]:
     """One panel per key, the runs overlaid; returns the keys drawn."""
     plt = _pyplot()
-    fig, keys = curves_figure(runs, keys, plt)
+    fig, keys = curves_figure(runs, keys, plt, smooth)
     _save(fig, out, plt)
     return keys
 
 
-def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, plt=None):
-    """(the figure, the keys drawn): a panel per key, the runs overlaid and told apart in the legend."""
+def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, plt=None,
+                  smooth: int | str | None = None):
+    """(the figure, the keys drawn): a panel per key, the runs overlaid and told apart in the
+    legend; smoothed, each run's raw values stay faint behind its smoothed curve."""
     has_rows = {k for r in runs for k, v in r.metrics.items() if len(v)}
     if keys is None:
         keys = [k for k in DEFAULT_PLOT_KEYS if k in has_rows]
@@ -47,13 +127,26 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
     nrows = math.ceil(len(keys) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.5 * nrows), squeeze=False)
     labels = _run_labels([r.path for r in runs])
+    pass_lengths = [run_pass_length(r) for r in runs] if smooth == EPOCH else None
     for ax, key in zip(axes.flat, keys):
         drawn = np.zeros((0, 2))
         for i, (run, label) in enumerate(zip(runs, labels)):
             rows = run.metrics.get(key, np.zeros((0, 2)))
             # a line style per run, so that identical curves (same config) stay visible
-            ax.plot(rows[:, 0], rows[:, 1], marker="." if len(rows) < 50 else None, label=label,
-                    linestyle=_LINE_STYLES[i % len(_LINE_STYLES)])
+            style = _LINE_STYLES[i % len(_LINE_STYLES)]
+            if smooth is None:
+                ax.plot(rows[:, 0], rows[:, 1], marker="." if len(rows) < 50 else None, label=label,
+                        linestyle=style)
+            else:
+                raw = ax.plot(rows[:, 0], rows[:, 1], linestyle=style, alpha=_RAW_ALPHA, linewidth=0.8)
+                if smooth == EPOCH:
+                    per_step, num_prompts = pass_lengths[i]
+                    x, y = pass_means(rows[:, 0], rows[:, 1], per_step, num_prompts)
+                    label = f"{label}, pass of {num_prompts / per_step:g} steps"
+                else:
+                    x, y = rows[:, 0], rolling_mean(rows[:, 0], rows[:, 1], smooth)
+                ax.plot(x, y, color=raw[0].get_color(), linestyle=style, label=label,
+                        marker="o" if smooth == EPOCH else None, markersize=4)
             drawn = np.concatenate([drawn, rows])
         ax.set_title(key)
         ax.set_xlabel("step")
@@ -64,10 +157,17 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
         ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
+    if smooth is not None:
+        fig.suptitle(f"{_smooth_name(smooth)} (faint: every value)")
     return fig, keys
 
 
 _LINE_STYLES = ["-", "--", ":", "-."]
+_RAW_ALPHA = 0.25  # the raw values behind a smoothed curve
+
+
+def _smooth_name(smooth: int | str) -> str:
+    return "mean per pass over the training prompts" if smooth == EPOCH else f"rolling mean over {smooth} steps"
 _Y_UNITS = {"perf/images_per_s": "images/s", "perf/mfu_rollout": "MFU", "perf/mfu_train": "MFU"}
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from hpcnft import __version__
-from hpcnft.cli.plots import DEFAULT_PLOT_KEYS, plot_curves, plot_samples
+from hpcnft.cli.plots import DEFAULT_PLOT_KEYS, parse_smooth, plot_curves, plot_samples
 from hpcnft.common.errors import UsageError
 from hpcnft.common.errors import first_line
 from hpcnft.io import runfile, tbevents
@@ -226,17 +226,21 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys", nargs="+", metavar="KEY",
                    help=f"one panel per key (default: those of {', '.join(DEFAULT_PLOT_KEYS)} with rows)")
     p.add_argument("--samples", action="store_true", help="show the run's rollout image grids (samples/step_*.png)")
+    p.add_argument("--smooth", metavar="N|epoch",
+                   help="draw the rolling mean over N steps, or (epoch) the mean per pass over the training "
+                        "prompts (a run's prompt file and rollout.prompts_per_step), the raw values faint behind")
 
 
 def _plot(args: argparse.Namespace) -> int:
     if args.samples:
-        if len(args.runs) != 1 or args.keys:
-            raise UsageError("--samples takes exactly one RUN and no --keys")
+        if len(args.runs) != 1 or args.keys or args.smooth:
+            raise UsageError("--samples takes exactly one RUN and no --keys or --smooth")
         shown = plot_samples(args.runs[0], args.output)
         print(f"wrote {args.output}: {shown} sample grids")
         return 0
+    smooth = parse_smooth(args.smooth)
     runs = [runfile.read_run(p) for p in args.runs]
-    keys = plot_curves(runs, args.output, args.keys)
+    keys = plot_curves(runs, args.output, args.keys, smooth)
     print(f"wrote {args.output}: {len(keys)} panels, {len(runs)} runs")
     return 0
 

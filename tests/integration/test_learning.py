@@ -1,12 +1,16 @@
 """The learning signal is real: NFT raises PickScore on the tiny models, and lowers it when the
-reward is negated. One prompt repeated over the groups of a step, because with distinct prompts
-the tiny random reward is dominated by the prompt (tiny_models notes)."""
+reward is negated (one prompt repeated over the groups of a step, because with distinct prompts
+the tiny random reward is dominated by the prompt, tiny_models notes); and the tiny_learns recipe
+raises JPEG compressibility over passes of its 32 prompts on the real 3-rank job, and lowers it
+when the reward is negated."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from jobs import hpcnft
+from hpcnft.common.config import load_config
+from hpcnft.io.prompt_files import read_prompt_file
 from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
@@ -45,3 +49,45 @@ def test_nft_raises_the_reward_and_the_negated_reward_lowers_it(tmp_path):
     ev_down = dict(down["eval/pickscore_mean"].tolist())
     assert ev_down[20.0] < ev_down[0.0]
     assert np.isclose(ev_down[0.0], ev[0.0], rtol=0, atol=0)  # same start, the runs only diverge by training
+
+
+# -- the tiny_learns recipe ---------------------------------------------------------------------
+LEARNS_PASSES = 2  # the README's run makes 8; the rise is already clear after 2
+COMPRESSIBILITY = "rollout/reward/jpeg_compressibility/mean"  # the plain term, whatever reward.scale
+
+
+def steps_per_pass(recipe: str) -> int:
+    cfg = load_config(recipe)
+    num_prompts = len(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"))
+    assert num_prompts % cfg.rollout.prompts_per_step == 0  # passes of whole steps
+    return num_prompts // cfg.rollout.prompts_per_step
+
+
+def learn_recipe(tmp_path, scale: float) -> dict:
+    run_dir = str(tmp_path / f"tiny_learns{scale:+.0f}")
+    steps = LEARNS_PASSES * steps_per_pass("tiny_learns")
+    hpcnft("run", "tiny_learns", "--steps", str(steps), "--run-dir", run_dir, "--set", f"reward.scale={scale}",
+           "--set", "eval.every=0", "--set", "eval.at_start=false", "--set", "eval.at_end=false",
+           "--set", "logging.sample_grid_every=0", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")
+    return read_run(run_dir).metrics
+
+
+def per_pass(rows: np.ndarray, per_pass_steps: int) -> np.ndarray:
+    """The mean of each pass's steps (steps 1..S, S+1..2S, ...)."""
+    assert np.array_equal(rows[:, 0], np.arange(1, len(rows) + 1))
+    return rows[:, 1].reshape(-1, per_pass_steps).mean(axis=1)
+
+
+def test_tiny_learns_raises_jpeg_compressibility_per_pass_and_the_negated_reward_does_not(tmp_path):
+    per_pass_steps = steps_per_pass("tiny_learns")
+    up = learn_recipe(tmp_path, 1.0)
+    passes = per_pass(up[COMPRESSIBILITY], per_pass_steps)
+    np.testing.assert_array_equal(up["rollout/reward/raw_mean"], up[COMPRESSIBILITY])  # the training reward
+    # clearly: the last pass's mean is above the first's by more than the spread of one step's samples
+    spread = up["rollout/reward/raw_std"][:, 1].mean()
+    assert passes[-1] - passes[0] > spread, (passes, spread)
+
+    down = learn_recipe(tmp_path, -1.0)
+    passes_down = per_pass(down[COMPRESSIBILITY], per_pass_steps)
+    assert passes_down[-1] < passes_down[0], passes_down
+    assert down[COMPRESSIBILITY][0, 1] == up[COMPRESSIBILITY][0, 1]  # same start: only the training differs

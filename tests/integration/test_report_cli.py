@@ -25,11 +25,11 @@ def hpcnft(*args, timeout=60):
                           timeout=timeout, env=env, cwd=REPO)
 
 
-def make_run(run_dir, nft_loss=(15.25, 16.5, 17.0, 19.0), done=True):
+def make_run(run_dir, nft_loss=(15.25, 16.5, 17.0, 19.0), done=True, config=CONFIG):
     """A finished run (4 steps by default): grad_norm NaN at step 1 (fp16 scaler overflow), eval
     at the last step only."""
     os.makedirs(run_dir, exist_ok=True)
-    w = RunFileWriter(os.path.join(run_dir, "run.h5"), json.dumps(CONFIG), "0.1.0")
+    w = RunFileWriter(os.path.join(run_dir, "run.h5"), json.dumps(config), "0.1.0")
     w.set_topology({"world_size": 3, "backend": "gloo", "roles": ["train", "train", "reward"]})
     w.add_attempt({"when": "2025-01-01T00:00:00", "from_step": 0, "slurm_job_id": "4242", "restart_count": 0})
     w.event(0, "start", "started")
@@ -248,6 +248,27 @@ def test_plot_of_a_single_step_centres_it_with_whole_step_ticks(tmp_path):
 
 def test_plot_unknown_key_is_exit_2(tmp_path, run_a):
     assert_one_line_error(hpcnft("plot", run_a, "-o", tmp_path / "x.png", "--keys", "train/kl_loss"))
+
+
+def test_plot_smoothed_by_steps_or_by_pass_over_the_prompts_writes_a_png(tmp_path, run_a):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\nfour\n")
+    config = {**CONFIG, "data": {"train_prompts": str(prompts)}, "rollout": {"prompts_per_step": 2}}
+    cycling = make_run(tmp_path / "cycling", nft_loss=(1.0, 3.0, 2.0, 6.0, 5.0, 7.0), config=config)
+    for smooth in ("3", "epoch"):
+        out = tmp_path / f"smooth_{smooth}.png"
+        r = hpcnft("plot", cycling, "-o", out, "--smooth", smooth)
+        assert r.returncode == 0, r.stderr
+        assert "5 panels, 1 runs" in r.stdout
+        assert read_png(out).size > 0
+    # the rolling mean also reads runs without prompts; the pass needs them, one line if gone
+    assert hpcnft("plot", run_a, cycling, "-o", tmp_path / "both.png", "--smooth", "2").returncode == 0
+    assert_one_line_error(hpcnft("plot", run_a, "-o", tmp_path / "x.png", "--smooth", "epoch"))
+    prompts.unlink()
+    r = hpcnft("plot", cycling, "-o", tmp_path / "x.png", "--smooth", "epoch")
+    assert_one_line_error(r)
+    assert "data.train_prompts" in r.stderr and "prompts.txt" in r.stderr
+    assert_one_line_error(hpcnft("plot", cycling, "-o", tmp_path / "x.png", "--smooth", "0"))
 
 
 def test_plot_samples_shows_the_saved_grids(tmp_path, run_a):

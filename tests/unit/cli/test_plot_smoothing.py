@@ -1,0 +1,154 @@
+"""`hpcnft plot --smooth`: the rolling mean and the per-pass mean against direct computations
+(loops over the rows and over the prompt positions of each step), and the figure drawing them."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcnft.cli import plots
+from hpcnft.common.errors import UsageError
+from hpcnft.io.runfile import RunData
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def direct_rolling(steps, values, window):
+    out = []
+    for k in steps:
+        inside = [v for s, v in zip(steps, values) if k - window < s <= k and math.isfinite(v)]
+        out.append(sum(inside) / len(inside) if inside else math.nan)
+    return out
+
+
+def direct_passes(steps, values, per_step, n):
+    """Each step's pass from the position of its first prompt in the endless stream over the n
+    prompts; a pass counts once the rows reach the last step that starts in it."""
+    def pass_of(k):
+        position = (k - 1) * per_step
+        return math.floor(position / n)
+
+    groups: dict[int, list[tuple[int, float]]] = {}
+    for s, v in zip(steps, values):
+        groups.setdefault(pass_of(int(s)), []).append((s, v))
+    centres, means = [], []
+    for p in sorted(groups):
+        last = max(k for k in range(0, int(steps[-1]) + 10 * n) if pass_of(k) == p)
+        if steps[-1] < last:
+            continue
+        rows = groups[p]
+        finite = [v for _, v in rows if math.isfinite(v)]
+        centres.append(sum(s for s, _ in rows) / len(rows))
+        means.append(sum(finite) / len(finite) if finite else math.nan)
+    return centres, means
+
+
+STEPS = np.array([1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12, 13, 14], dtype=float)  # step 5 missing
+VALUES = np.array([0.5, 0.25, math.nan, 1.0, 2.0, -1.0, 0.75, 3.0, math.nan, math.nan, 0.125, 4.0, 1.5])
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 20])
+def test_rolling_mean_is_the_mean_of_the_finite_values_of_the_last_n_steps(window):
+    got = plots.rolling_mean(STEPS, VALUES, window)
+    np.testing.assert_allclose(got, direct_rolling(STEPS, VALUES, window), rtol=1e-12, equal_nan=True)
+
+
+def test_rolling_mean_of_one_step_is_the_values_and_a_window_of_nans_is_nan():
+    np.testing.assert_array_equal(plots.rolling_mean(STEPS, VALUES, 1), VALUES)
+    assert math.isnan(plots.rolling_mean(STEPS, VALUES, 2)[STEPS.tolist().index(11)])  # steps 10, 11: NaN
+    assert len(plots.rolling_mean(np.zeros(0), np.zeros(0), 3)) == 0
+
+
+@pytest.mark.parametrize("per_step,n", [(4, 8), (4, 10), (3, 3), (2, 32), (5, 7)])
+def test_pass_means_match_the_passes_of_the_prompt_positions(per_step, n):
+    rng = np.random.default_rng(per_step * 100 + n)
+    steps = np.arange(1, 30, dtype=float)
+    values = rng.normal(size=len(steps))
+    values[3] = math.nan
+    x, y = plots.pass_means(steps, values, per_step, n)
+    want_x, want_y = direct_passes(steps, values, per_step, n)
+    assert len(want_x) > 0
+    np.testing.assert_allclose(x, want_x, rtol=1e-12)
+    np.testing.assert_allclose(y, want_y, rtol=1e-12, equal_nan=True)
+
+
+def test_the_unfinished_last_pass_is_left_out_and_step_0_is_a_pass_of_its_own():
+    # 8 prompts, 4 a step: passes are steps 1-2, 3-4, 5-6; the run stopped at step 5
+    steps = np.array([0, 1, 2, 3, 4, 5], dtype=float)
+    values = np.array([9.0, 1.0, 3.0, 5.0, 7.0, 100.0])
+    x, y = plots.pass_means(steps, values, 4, 8)
+    np.testing.assert_array_equal(x, [0.0, 1.5, 3.5])
+    np.testing.assert_array_equal(y, [9.0, 2.0, 6.0])
+
+
+def run_with(config) -> RunData:
+    rows = np.array([[1, 0.0], [2, 1.0], [3, 2.0], [4, 3.0]], dtype=float)
+    return RunData(path="/runs/a/run.h5", attrs={}, config=config, metrics={"rollout/reward/raw_mean": rows},
+                   topology={}, attempts=[], events=[])
+
+
+def test_pass_length_comes_from_the_runs_prompt_file_and_prompts_per_step(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\n\nc\n")
+    run = run_with({"data": {"train_prompts": str(prompts)}, "rollout": {"prompts_per_step": 2}})
+    assert plots.run_pass_length(run) == (2, 3)
+    builtin = run_with({"data": {"train_prompts": "builtin:tiny_train_prompts.txt"},
+                        "rollout": {"prompts_per_step": 4}})
+    assert plots.run_pass_length(builtin) == (4, 32)
+
+
+def test_pass_length_of_a_run_without_its_prompts_is_one_line_naming_the_key(tmp_path):
+    gone = run_with({"data": {"train_prompts": str(tmp_path / "gone.txt")}, "rollout": {"prompts_per_step": 2}})
+    with pytest.raises(UsageError) as e:
+        plots.run_pass_length(gone)
+    assert "data.train_prompts" in str(e.value) and "gone.txt" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="rollout.prompts_per_step"):
+        plots.run_pass_length(run_with({"train": {}}))
+
+
+@pytest.mark.parametrize("text,want", [(None, None), ("epoch", "epoch"), ("1", 1), ("12", 12)])
+def test_smooth_option_values(text, want):
+    assert plots.parse_smooth(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "2.5", "pass"])
+def test_smooth_option_refuses_other_values(text):
+    with pytest.raises(UsageError, match="--smooth"):
+        plots.parse_smooth(text)
+
+
+@pytest.mark.parametrize("smooth", [2, "epoch"])
+def test_smoothed_figure_draws_the_raw_values_faint_behind_the_smoothed_curve(tmp_path, smooth):
+    import matplotlib.pyplot as plt
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\nc\nd\n")
+    run = run_with({"data": {"train_prompts": str(prompts)}, "rollout": {"prompts_per_step": 2}})
+    fig, keys = plots.curves_figure([run], ["rollout/reward/raw_mean"], smooth=smooth)
+    raw, smoothed = fig.axes[0].get_lines()
+    rows = run.metrics["rollout/reward/raw_mean"]
+    np.testing.assert_array_equal(raw.get_ydata(), rows[:, 1])
+    assert raw.get_alpha() < 0.5 and smoothed.get_alpha() in (None, 1.0)
+    assert raw.get_color() == smoothed.get_color()
+    if smooth == "epoch":  # 4 prompts, 2 a step: steps 1-2 and 3-4
+        np.testing.assert_array_equal(smoothed.get_ydata(), [0.5, 2.5])
+        assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["a, pass of 2 steps"]
+    else:
+        np.testing.assert_array_equal(smoothed.get_ydata(), [0.0, 0.5, 1.5, 2.5])
+    plt.close(fig)
+
+
+def test_counting_a_runs_prompts_leaves_torch_unimported():
+    # the run-file tools start fast: reading the prompt file must not pull the job's modules in
+    code = ("import sys; from hpcnft.cli import report, plots; "
+            "from hpcnft.io.runfile import RunData; "
+            "run = RunData('r', {}, {'data': {'train_prompts': 'builtin:tiny_train_prompts.txt'}, "
+            "'rollout': {'prompts_per_step': 4}}, {}, {}, [], []); "
+            "assert plots.run_pass_length(run) == (4, 32); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.stdout.strip() == "False"
