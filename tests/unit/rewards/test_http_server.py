@@ -3,7 +3,6 @@ unpickles, never allocates beyond the body), answers errors as JSON with their s
 one request at a time, and logs errors only, one line each."""
 from __future__ import annotations
 
-import contextlib
 import http.client
 import io
 import json
@@ -17,7 +16,8 @@ import pytest
 import torch
 
 from hpcnft.rewards.http_protocol import CONTENT_TYPE, MAX_BODY_BYTES, decode_request, encode_request
-from hpcnft.rewards.http_server import ScoringServer, serve_in_thread
+from hpcnft.rewards.http_server import ScoringServer
+from reward_http import serving
 
 PROMPTS = ["a red cube", "a blue ball"]
 
@@ -30,17 +30,11 @@ def zero_term(prompts, imgs):
     return torch.zeros(len(prompts))
 
 
-@contextlib.contextmanager
 def running(terms: dict, log=None):
     lines = [] if log is None else log
     server = ScoringServer(("127.0.0.1", 0), terms, log=lines.append) if log is not False else \
         ScoringServer(("127.0.0.1", 0), terms)
-    serve_in_thread(server)
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
+    return serving(server)
 
 
 def post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

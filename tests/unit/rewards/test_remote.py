@@ -3,7 +3,6 @@ retries on what may pass (refused, timeouts, 5xx, 429) with backoff, fails at on
 every failure is one line naming the term and its URL."""
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
 import threading
@@ -15,9 +14,10 @@ import torch
 
 from hpcnft.common.config import ConfigError, RewardTermConfig, load_config
 from hpcnft.rewards import remote
-from hpcnft.rewards.http_server import ScoringServer, serve_in_thread
+from hpcnft.rewards.http_server import ScoringServer
 from hpcnft.rewards.registry import load_term
 from hpcnft.rewards.remote import RemoteRewardError, RemoteTerm
+from reward_http import serving
 
 PROMPTS = ["a red cube", "ein Hund im Schnee", "猫と月"]
 
@@ -26,14 +26,6 @@ def images(n: int = 3, side: int = 24, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, side, side, 3), dtype=np.uint8)
 
 
-@contextlib.contextmanager
-def running(server):
-    serve_in_thread(server)
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def scoring_server(terms: dict) -> ScoringServer:
@@ -102,7 +94,7 @@ def test_remote_scores_are_the_local_terms_bit_for_bit():
              for k in ("jpeg_compressibility", "jpeg_incompressibility")}
     # float32 at its edges: a third, subnormals, the largest finite value, -0.0, many digits
     awkward = np.array([1 / 3, -2.5e-40, 3.4028235e38, -0.0, 1e-45, np.pi * 1e7, -7.1e-8], dtype=np.float32)
-    with running(scoring_server({**local, "awkward": Fixed(awkward)})) as server:
+    with serving(scoring_server({**local, "awkward": Fixed(awkward)})) as server:
         imgs = images()
         for name, term in local.items():
             got = client(server, name)(PROMPTS, imgs)
@@ -121,7 +113,7 @@ def test_the_server_scores_each_prompt_against_its_image():
         return torch.zeros(len(prompts))
 
     imgs = images(seed=3)
-    with running(scoring_server({"judge": record})) as server:
+    with serving(scoring_server({"judge": record})) as server:
         client(server)(PROMPTS, torch.from_numpy(imgs))
     (prompts, got), = seen
     assert prompts == PROMPTS and got.dtype == np.uint8 and np.array_equal(got, imgs)
@@ -129,7 +121,7 @@ def test_the_server_scores_each_prompt_against_its_image():
 
 def test_two_503s_then_an_answer_succeeds_with_two_retries_and_backs_off():
     sleeps = []
-    with running(Scripted([(503, b"{}"), (503, b"{}"), (200, scores_body([1.5, 2, -3]))])) as server:
+    with serving(Scripted([(503, b"{}"), (503, b"{}"), (200, scores_body([1.5, 2, -3]))])) as server:
         got = client(server, retries=2, sleeps=sleeps)(PROMPTS, images())
         assert server.requests == 3
     assert got.tolist() == [1.5, 2.0, -3.0]
@@ -142,7 +134,7 @@ def test_backoff_doubles_and_is_capped():
 
 
 def test_retries_run_out_as_one_line_naming_the_url():
-    with running(Scripted([(503, b'{"error": "busy loading"}')] * 2)) as server:
+    with serving(Scripted([(503, b'{"error": "busy loading"}')] * 2)) as server:
         term = client(server, retries=1)
         with pytest.raises(RemoteRewardError) as e:
             term(PROMPTS, images())
@@ -152,14 +144,14 @@ def test_retries_run_out_as_one_line_naming_the_url():
 
 
 def test_429_is_retried():
-    with running(Scripted([(429, b"{}"), (200, scores_body([0, 0, 0]))])) as server:
+    with serving(Scripted([(429, b"{}"), (200, scores_body([0, 0, 0]))])) as server:
         assert client(server, retries=1)(PROMPTS, images()).tolist() == [0, 0, 0]
         assert server.requests == 2
 
 
 @pytest.mark.parametrize("status", [400, 404, 413])
 def test_other_client_errors_fail_at_once(status):
-    with running(Scripted([(status, b'{"error": "no such thing"}'), (200, scores_body([0, 0, 0]))])) as server:
+    with serving(Scripted([(status, b'{"error": "no such thing"}'), (200, scores_body([0, 0, 0]))])) as server:
         term = client(server, retries=3)
         with pytest.raises(RemoteRewardError, match=rf"^reward term 'judge' \(remote {term.url}\): "
                                                     rf"HTTP {status} \(no such thing\)$"):
@@ -183,7 +175,7 @@ def test_connection_refused_names_the_url_and_the_attempts():
 
 
 def test_a_server_that_does_not_answer_in_time_is_a_timeout():
-    with running(Scripted([(None, b"")])) as server:
+    with serving(Scripted([(None, b"")])) as server:
         term = client(server, retries=0, timeout_s=0.3)
         with pytest.raises(RemoteRewardError) as e:
             term(PROMPTS, images())
@@ -204,7 +196,7 @@ def test_a_server_that_does_not_answer_in_time_is_a_timeout():
     (b"\xff\xfe{", "not JSON"),
 ])
 def test_a_malformed_answer_fails_at_once(body, reason):
-    with running(Scripted([(200, body), (200, scores_body([0, 0, 0]))])) as server:
+    with serving(Scripted([(200, body), (200, scores_body([0, 0, 0]))])) as server:
         term = client(server, retries=3)
         with pytest.raises(RemoteRewardError) as e:
             term(PROMPTS, images())
@@ -218,7 +210,7 @@ def test_a_failing_term_is_a_500_with_its_reason():
     def broken(prompts, imgs):
         raise RuntimeError("CUDA out of memory\nTried to allocate ...")
 
-    with running(scoring_server({"judge": broken})) as server:
+    with serving(scoring_server({"judge": broken})) as server:
         with pytest.raises(RemoteRewardError) as e:
             client(server, retries=1)(PROMPTS, images())
     assert str(e.value).endswith("HTTP 500 (term 'judge' failed: RuntimeError: CUDA out of memory) after 2 attempts")
@@ -226,7 +218,7 @@ def test_a_failing_term_is_a_500_with_its_reason():
 
 def test_a_request_beyond_the_servers_limit_is_refused_before_sending(monkeypatch):
     monkeypatch.setattr(remote, "MAX_BODY_BYTES", 1000)
-    with running(Scripted([])) as server:
+    with serving(Scripted([])) as server:
         with pytest.raises(RemoteRewardError, match="more than a server takes"):
             client(server)(PROMPTS, images())
         assert server.requests == 0
