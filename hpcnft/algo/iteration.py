@@ -13,11 +13,12 @@ from hpcnft.algo import nft
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
-from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise, sigma_grid
+from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise
 from hpcnft.algo.solvers import sample
 from hpcnft.common.config import Config
 from hpcnft.dist.groups import Topology
 from hpcnft.dist.reward_service import EVAL, ROLLOUT
+from hpcnft.models.families import family_of
 from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 
 
@@ -64,18 +65,18 @@ class Learner:
         self.client, self.pipe, self.policy, self.trainer = reward_client, pipe, policy, trainer
         self.stream = train_stream(cfg)
         self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+        self.family = family_of(pipe.transformer)
         self.encoder = PromptEncoder(pipe, cfg.rollout.max_sequence_length, topo.device,
-                                     cfg=cfg.rollout.guidance_scale > 1.0)
-        self.sigmas = sigma_grid(pipe.scheduler, cfg.rollout.num_steps)
-        self.eval_sigmas = sigma_grid(pipe.scheduler, cfg.eval.num_steps)
-        vae_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+                                     cfg=cfg.rollout.guidance_scale > 1.0 and self.family.cfg_guidance)
         self._server_totals = (0.0, 0.0)
         self.noise_ahead = NoiseAhead()
         self.ceiling = matmul_ceiling(topo.device, policy.compute_dtype)
-        self.latent_shape = (pipe.transformer.config.in_channels, cfg.rollout.height // vae_factor,
-                             cfg.rollout.width // vae_factor)
+        self.latent_shape = self.family.latent_shape(pipe, cfg.rollout.height, cfg.rollout.width)
+        self.sigmas = self.family.sigma_grid(pipe.scheduler, cfg.rollout.num_steps, self.latent_shape)
+        self.eval_sigmas = self.family.sigma_grid(pipe.scheduler, cfg.eval.num_steps, self.latent_shape)
         cond = self.encoder(self.stream.for_step(1, 1))
-        self.flops = count_dit_flops(policy, self.latent_shape, cond.prompt_embeds, cond.pooled)
+        self.flops = count_dit_flops(policy, self.latent_shape, cond.prompt_embeds, cond.pooled,
+                                     cfg.rollout.guidance_scale)
 
     # -- rollout ---------------------------------------------------------------------------
     def _generate(self, prompts: list[str], sigmas, noise, solver: str) -> tuple[torch.Tensor, object]:
@@ -194,7 +195,7 @@ class Learner:
             "perf/iteration_s": t_end - t_start,
             "perf/images_per_s": cfg.samples_per_step / max(ro.seconds + ro.wait_s, 1e-9),
             "perf/mfu_rollout": mfu(self.flops.rollout_forward * len(mine) * cfg.rollout.num_steps
-                                    * (2 if cfg.rollout.guidance_scale > 1 else 1), ro.seconds, self.ceiling),
+                                    * (2 if self.encoder.cfg else 1), ro.seconds, self.ceiling),
             "perf/mfu_train": mfu(self.flops.train_pair * len(mine) * k, t_end - t_train, self.ceiling),
         })
         self._server_totals = (busy, idle)

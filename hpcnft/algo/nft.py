@@ -88,15 +88,6 @@ def corrupt(x0: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch
     return (1 - s) * x0.to(torch.float32) + s * noise.to(torch.float32)
 
 
-def dit_timestep(sigma: torch.Tensor, integer: bool = False) -> torch.Tensor:
-    """SD3's DiT embeds time on the 0-1000 scale: tau = 1000 sigma in float32. With `integer`
-    (rollout.integer_timesteps) tau is truncated toward zero, as the official pipeline's
-    torch.full(..., sigma * 1000, dtype=long); kept as a float tensor, which the DiT's sinusoidal
-    embedding casts to anyway, so the embedding sees the same values."""
-    tau = sigma.to(torch.float32) * 1000.0
-    return torch.trunc(tau) if integer else tau
-
-
 def implicit_policies(v_theta: torch.Tensor, v_old: torch.Tensor, beta: float):
     """v+ = beta v_theta + (1-beta) v_old ; v- = (1+beta) v_old - beta v_theta."""
     if beta == 1.0:  # exact: keeps v+ == v- bit for bit when v_theta == v_old

@@ -10,6 +10,7 @@ import torch
 from hpcnft.common.config import Config
 from hpcnft.common.determinism import stable_hash
 from hpcnft.common.tensors import local_shard
+from hpcnft.models.families import family_of
 from hpcnft.perf import levers
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -76,7 +77,7 @@ class Policy:
             for module in tr.modules():
                 if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
                     fully_shard(module, mesh=mesh)
-        for block in tr.transformer_blocks:
+        for block in family_of(tr).fsdp_blocks(tr):
             fully_shard(block, mesh=mesh)
         fully_shard(tr, mesh=mesh)
 

@@ -1,4 +1,6 @@
 """Rollout sampling: flow-matching Euler ODE on the scheduler's sigma grid, seeded per sample.
+What differs between base models (prompt encoding, the DiT's inputs, the grid's shift) is the
+family's (hpcnft.models.families), known from the DiT's class.
 
 The noise of sample i at step k is drawn on the CPU from a generator keyed by
 stable_hash("rollout_noise", seed, k, i), so it does not depend on which rank or batch makes it.
@@ -11,16 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hpcnft.algo.nft import dit_timestep
 from hpcnft.common.determinism import stable_hash
+from hpcnft.models.families import SD3, family_of
 
 
 def sigma_grid(scheduler, num_steps: int) -> torch.Tensor:
-    """The scheduler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU).
-    A fresh scheduler from the same config keeps the shared one's state untouched."""
-    sched = type(scheduler).from_config(scheduler.config)
-    sched.set_timesteps(num_steps)
-    return sched.sigmas.detach().to(torch.float32).cpu().clone()
+    """SD3's: the scheduler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU)."""
+    return SD3.sigma_grid(scheduler, num_steps, None)
 
 
 def initial_noise(shape: tuple[int, ...], seed: int, step: int, indices: list[int], purpose: str) -> torch.Tensor:
@@ -52,7 +51,7 @@ class NoiseAhead:
 
 @dataclass
 class Conditioning:
-    """SD3's positive conditioning for a batch (what the trainer reuses) and, with CFG, the negative."""
+    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the trainer reuses) and, with CFG, the negative."""
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
     neg_prompt_embeds: torch.Tensor | None = None
@@ -64,6 +63,7 @@ class PromptEncoder:
 
     def __init__(self, pipe, max_sequence_length: int, device: torch.device, cfg: bool, cache_size: int = 4096):
         self.pipe, self.msl, self.device, self.cfg = pipe, max_sequence_length, device, cfg
+        self.family = family_of(pipe.transformer)
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.cache_size = cache_size
 
@@ -72,10 +72,7 @@ class PromptEncoder:
         if prompt not in self.cache:
             if len(self.cache) >= self.cache_size:
                 self.cache.pop(next(iter(self.cache)))
-            pe, _, pooled, _ = self.pipe.encode_prompt(prompt, None, None, device=self.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.msl)
-            self.cache[prompt] = (pe, pooled)
+            self.cache[prompt] = self.family.encode_prompt(self.pipe, prompt, self.msl, self.device)
         return self.cache[prompt]
 
     def __call__(self, prompts: list[str]) -> Conditioning:
@@ -89,12 +86,10 @@ class PromptEncoder:
 
 
 def truncated_prompts(pipe, prompts: list[str], max_sequence_length: int) -> tuple[int, dict[str, int]]:
-    """How many of `prompts` the text encoders cut, tokenized as encode_prompt does: the two CLIP
+    """How many of `prompts` the text encoders cut, tokenized as encode_prompt does: the CLIP
     tokenizers at pipe.tokenizer_max_length (77) tokens, T5 at max_sequence_length, special tokens
     included. Returns (prompts cut by any encoder, {encoder: prompts it cuts})."""
-    limits = [("CLIP", t, pipe.tokenizer_max_length) for t in (pipe.tokenizer, pipe.tokenizer_2) if t is not None]
-    if getattr(pipe, "text_encoder_3", None) is not None and pipe.tokenizer_3 is not None:
-        limits.append(("T5", pipe.tokenizer_3, max_sequence_length))
+    limits = family_of(pipe.transformer).token_limits(pipe, max_sequence_length)
     unique = list(dict.fromkeys(prompts))
     cut_by: dict[str, set[str]] = {}
     for name, tok, limit in limits:
@@ -108,28 +103,31 @@ def truncated_prompts(pipe, prompts: list[str], max_sequence_length: int) -> tup
 
 
 def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
-             pooled: torch.Tensor, dtype: torch.dtype, integer_timesteps: bool = False) -> torch.Tensor:
-    """The DiT's velocity at flow time sigma ([B]); the DiT takes timestep 1000*sigma (truncated
-    with `integer_timesteps`)."""
-    return transformer(hidden_states=x.to(dtype), timestep=dit_timestep(sigma, integer_timesteps),
-                       encoder_hidden_states=prompt_embeds.to(dtype), pooled_projections=pooled.to(dtype),
-                       return_dict=False)[0]
+             pooled: torch.Tensor, dtype: torch.dtype, integer_timesteps: bool = False,
+             guidance: float = 1.0) -> torch.Tensor:
+    """The DiT's velocity at latents x [B, C, h, w] and flow time sigma ([B]), shaped like x: the
+    timestep on the DiT's own scale (truncated 1000 sigma with `integer_timesteps`), and
+    `guidance` embedded where the family's DiT embeds it (FLUX.1-dev)."""
+    return family_of(transformer).velocity(transformer, x, sigma, prompt_embeds, pooled, dtype, integer_timesteps,
+                                           guidance)
 
 
 def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float,
                     dtype: torch.dtype, autocast, integer_timesteps: bool = False) -> torch.Tensor:
-    """The sampler's velocity at one step (sigma a 0-dim tensor), with CFG when guidance_scale > 1;
-    float32."""
+    """The sampler's velocity at one step (sigma a 0-dim tensor), float32: with CFG when
+    guidance_scale > 1 for a family that guides so (SD3), else with guidance_scale embedded in
+    the DiT's one pass (FLUX.1-dev)."""
     b = x.shape[0]
     s = sigma.expand(b)
     with autocast():
-        if guidance_scale > 1.0:
+        if guidance_scale > 1.0 and family_of(transformer).cfg_guidance:
             v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
                              torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
                              torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
             v_neg, v_pos = v_all.float().chunk(2)
             return v_neg + guidance_scale * (v_pos - v_neg)
-        return velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps).float()
+        return velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps,
+                        guidance_scale).float()
 
 
 @torch.no_grad()
@@ -147,7 +145,8 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
 
 @torch.no_grad()
 def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round") -> torch.Tensor:
-    """VAE decode of SD3 latents to uint8 images [B, H, W, 3] on the CPU."""
+    """VAE decode of (unpacked) latents to uint8 images [B, H, W, 3] on the CPU: the VAE's scaling
+    and shift as SD3's and FLUX's pipelines undo them."""
     z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
     img = vae.decode(z, return_dict=False)[0].float()
     img = (img / 2 + 0.5).clamp(0, 1) * 255.0

@@ -86,8 +86,10 @@ class Trainer:
 
         dev = self.policy.device
         with self.policy.autocast():
+            # the guidance a guidance-distilled DiT embeds is the rollout's in the NFT passes too
             return velocity(self.policy.transformer, x_sigma, sig, batch.prompt_embeds[index].to(dev),
-                            batch.pooled[index].to(dev), self.policy.compute_dtype)
+                            batch.pooled[index].to(dev), self.policy.compute_dtype,
+                            guidance=self.cfg.rollout.guidance_scale)
 
     def step(self, batch: PairBatch, sigmas: torch.Tensor, step: int) -> dict[str, float]:
         """One optimizer step over this rank's pairs; returns the step's metrics (all ranks)."""

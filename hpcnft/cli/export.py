@@ -1,7 +1,8 @@
 """`hpcnft export RUN [--step K] [--policy trained|old] OUT`: the weights of a checkpoint as a
 folder diffusers loads directly: LoRA adapters as `pytorch_lora_weights.safetensors`
-(`pipe.load_lora_weights(OUT)`), or, for a full fine-tune, a transformer folder
-(`SD3Transformer2DModel.from_pretrained(OUT)`).
+(`pipe.load_lora_weights(OUT)` on the run's StableDiffusion3Pipeline or FluxPipeline), or, for a
+full fine-tune, a transformer folder (`SD3Transformer2DModel.from_pretrained(OUT)`,
+`FluxTransformer2DModel.from_pretrained(OUT)`).
 
 Runs in one process without a process group: DCP reassembles the sharded checkpoint."""
 from __future__ import annotations
@@ -36,17 +37,17 @@ def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
 
 
 def load_transformer(ckpt_path: str, policy: str):
-    """The run's SD3 transformer with the checkpoint's weights of `policy` in place."""
+    """The run's base pipeline with the checkpoint's weights of `policy` in its transformer."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     from hpcnft.algo.policy import add_lora
     from hpcnft.common.config import config_from_dict
     from hpcnft.io.checkpoint import SafeReader, read_json
-    from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
+    from hpcnft.models.loading import load_base_pipeline, resolve_model_paths
 
     cfg = config_from_dict(read_json(ckpt_path, "config.json"))
-    pipe = load_sd3_pipeline(resolve_model_paths(cfg).sd3, torch.float32, torch.device("cpu"))
+    pipe = load_base_pipeline(cfg, resolve_model_paths(cfg).base, torch.float32, torch.device("cpu"))
     tr = pipe.transformer
     if cfg.train.finetune == "lora":
         add_lora(tr, cfg)

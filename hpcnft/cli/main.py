@@ -16,7 +16,7 @@ DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 against PickSco
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
     "submit": ("hpcnft.cli.submit", "submit a run through submitit (slurm, local or debug)"),
-    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3, PickScore and reward-term model folders"),
+    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3, FLUX, PickScore and reward-term model folders"),
     "compare": ("hpcnft.cli.report", "compare the metric series of two runs or standards"),
     "show": ("hpcnft.cli.report", "summarise a run file: config, topology, attempts, events, metrics"),
     "plot": ("hpcnft.cli.report", "plot metric curves of one or more runs to a PNG"),

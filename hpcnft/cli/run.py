@@ -12,13 +12,13 @@ import time
 import sys
 
 from hpcnft.common.errors import EXIT_BAD_INPUT, UsageError
-from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_built
+from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_needed
 
 
 def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
-        p.add_argument("dir", help="output folder; receives sd35_tiny/, pickscore_tiny/ and the reward terms' "
-                                   "tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
+        p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, pickscore_tiny/ and the "
+                                   "reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
     from hpcnft.common.config import recipe_names
 
@@ -38,8 +38,10 @@ def main(name: str, args) -> int:
 
         from hpcnft.rewards.registry import tiny_term_builders
 
+        from hpcnft.models.families import FLUX
+
         built = list(build_tiny_models(args.dir))
-        for name, build in tiny_term_builders().items():
+        for name, build in {FLUX.tiny_dirname: FLUX.build_tiny, **tiny_term_builders()}.items():
             folder = os.path.join(args.dir, name)
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)
@@ -96,7 +98,7 @@ def spawn(cfg, args) -> int:
 def spawn_ranks(cfg, args, rank0_fd) -> int:
     from hpcnft.dist import groups
 
-    if (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
+    if tiny_models_needed(cfg):
         from hpcnft.models.loading import resolve_model_paths
 
         t0 = time.perf_counter()

@@ -21,8 +21,12 @@ from hpcnft.common.validation import flatten, validate
 
 @dataclass
 class ModelsConfig:
-    # Empty sd3_dir / pickscore_dir mean "the tiny models", built into tiny_cache on first use.
+    # The base model's family: "sd3" (SD3.5-Medium and -Large, from sd3_dir) or "flux" (FLUX.1-dev,
+    # from flux_dir). Empty sd3_dir / flux_dir / pickscore_dir mean "the tiny models", built into
+    # tiny_cache on first use.
+    family: str = "sd3"
     sd3_dir: str = ""
+    flux_dir: str = ""
     pickscore_dir: str = ""
     pickscore_processor_dir: str = ""  # defaults to pickscore_dir
     tiny_cache: str = ""  # defaults to $HPCNFT_CACHE/tiny-models or ~/.cache/hpcnft/tiny-models

@@ -7,6 +7,7 @@ import re
 from hpcnft.common.errors import ConfigError
 
 CHOICES = {
+    "models.family": ("sd3", "flux"),
     "train.finetune": ("lora", "full"),
     "train.precision": ("fp32", "fp16", "bf16"),
     "nft.timestep_strategy": ("first", "random_per_sample", "drop_random"),
@@ -35,6 +36,9 @@ MAY_BE_INFINITE = {"optim.grad_clip"}  # inf: no clipping
 # Upper bounds: collectives wait at most a day; images and chunks within what the reward
 # service accepts (reward_service.MAX_SIDE, MAX_CHUNK, MAX_CHUNK_BYTES).
 AT_MOST = {"layout.timeout_s": 86400.0, "rollout.height": 8192, "rollout.width": 8192, "rollout.batch_size": 4096}
+# Levers written for SD3's joint attention and blocks (perf.fused_qkv, perf.epilogue, perf.fp8)
+SD3_ONLY_LEVERS = ("fuse_qkv", "fused_lora", "gelu_epilogue", "rollout_fp8", "v_old_fp8")
+FLUX_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 TRACKERS = ("tensorboard", "wandb")  # logging.trackers: hpcnft/io/trackers.py has one class for each
 # reward.terms: the kinds hpcnft/rewards/registry.py loads, and what each needs set
 TERM_KINDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "jpeg_compressibility", "jpeg_incompressibility",
@@ -107,6 +111,14 @@ def validate(cfg) -> None:
         raise ConfigError("train.lora_targets: empty, LoRA would train nothing")
     if cfg.perf.fused_lora and cfg.train.finetune != "lora":
         raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
+    if cfg.models.family != "sd3":
+        for lever in SD3_ONLY_LEVERS:
+            if getattr(cfg.perf, lever):
+                raise ConfigError(f"perf.{lever}: works on SD3's blocks only, not with models.family="
+                                  f"{cfg.models.family!r}")
+    if cfg.models.family == "flux" and r.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH:
+        raise ConfigError(f"rollout.max_sequence_length: FLUX's T5 takes at most {FLUX_MAX_SEQUENCE_LENGTH} tokens, "
+                          f"got {r.max_sequence_length}")
     if cfg.perf.fuse_qkv and cfg.train.finetune == "lora" and not cfg.perf.merge_lora_nograd:
         raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                           "(the fused projections hold the merged weights)")

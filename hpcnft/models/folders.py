@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 SD3_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                 "text_encoder/config.json", "text_encoder_2/config.json", "text_encoder_3/config.json",
                 "tokenizer", "tokenizer_2", "tokenizer_3")
+FLUX_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
+                 "text_encoder/config.json", "text_encoder_2/config.json", "tokenizer", "tokenizer_2")
 PICKSCORE_REQUIRED = ("config.json",)
 PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
 

@@ -1,58 +1,60 @@
-"""Load SD3 parts and PickScore from local folders (disk only), or the tiny models.
+"""Load the base model (its family's diffusers pipeline) and PickScore from local folders (disk
+only), or the tiny models.
 
 Every loader checks the folder first and turns any failure into one ModelError line naming
 the config key and the path, so a typo in a path never ends in a traceback."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from hpcnft.common.config import Config
 from hpcnft.common.errors import one_line
-from hpcnft.models.folders import (PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder,
-                                   quiet_libraries)
+from hpcnft.models.families import Family, family_named
+from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
+from hpcnft.models.tiny_cache import cache_dir, ensure_tiny
 
 
 @dataclass
 class ModelPaths:
-    sd3: str
+    base: str  # the base model's folder (models.sd3_dir or models.flux_dir, by models.family)
     pickscore: str
     pickscore_processor: str
 
 
+def base_family(cfg: Config) -> Family:
+    return family_named(cfg.models.family)
+
+
+def _tiny_cache(cfg: Config) -> str:
+    return cfg.models.tiny_cache or cache_dir()
+
+
 def resolve_model_paths(cfg: Config, build_tiny: bool = True) -> ModelPaths:
     """Model folders from the config; the tiny models (built on first use) where a path is empty."""
-    m = cfg.models
-    sd3, ps = m.sd3_dir, m.pickscore_dir
-    if not sd3 or not ps:
+    family, m = base_family(cfg), cfg.models
+    base, ps = family.model_dir(m), m.pickscore_dir
+    cache = _tiny_cache(cfg)
+    if build_tiny and (not ps or (not base and family.name == "sd3")):
         from hpcnft.models.tiny import ensure_tiny_models
-        from hpcnft.models.tiny_cache import cache_dir
 
-        cache = m.tiny_cache or cache_dir()
-        tiny_sd3, tiny_ps = ensure_tiny_models(cache) if build_tiny else (None, None)
-        sd3, ps = sd3 or tiny_sd3, ps or tiny_ps
-    return ModelPaths(sd3, ps, m.pickscore_processor_dir or ps)
+        tiny_sd3, tiny_ps = ensure_tiny_models(cache)  # the tiny SD3.5 and PickScore, built together
+        base = base or (tiny_sd3 if family.name == "sd3" else "")
+        ps = ps or tiny_ps
+    if build_tiny and not base:
+        base = ensure_tiny(cache, family.tiny_dirname, family.build_tiny)
+    return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 
 
 def load_sd3_pipeline(path: str, dtype: torch.dtype, device: torch.device):
     """The real diffusers StableDiffusion3Pipeline from a local folder (safetensors only)."""
-    check_folder("models.sd3_dir", path, SD3_REQUIRED)
-    quiet_libraries()
-    from diffusers import StableDiffusion3Pipeline
+    return family_named("sd3").load(path, dtype, device)
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            pipe = StableDiffusion3Pipeline.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                            dtype=dtype)
-    except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
-        raise ModelError(f"models.sd3_dir: cannot load {path!r} ({one_line(e)})") from None
-    pipe.set_progress_bar_config(disable=True)
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae", "transformer"):
-        getattr(pipe, name).to(device).requires_grad_(False).eval()
-    return pipe
+
+def load_base_pipeline(cfg: Config, path: str, dtype: torch.dtype, device: torch.device):
+    """The base model's real diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline)."""
+    return base_family(cfg).load(path, dtype, device)
 
 
 def load_pickscore(model_path: str, processor_path: str, device: torch.device):

@@ -1,9 +1,14 @@
-"""Where the tiny models are cached, readable without importing torch (the launcher checks it)."""
+"""Where the tiny models are cached, and how one is built there once, readable without importing
+torch (the launcher checks it)."""
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import tempfile
+from typing import Callable
 
-SD3_DIRNAME, PICKSCORE_DIRNAME = "sd35_tiny", "pickscore_tiny"
+SD3_DIRNAME, PICKSCORE_DIRNAME, FLUX_DIRNAME = "sd35_tiny", "pickscore_tiny", "flux1_tiny"
 DONE_MARKER = "BUILD_COMPLETE"
 
 
@@ -15,3 +20,26 @@ def cache_dir() -> str:
 
 def built(path: str) -> bool:
     return os.path.exists(os.path.join(path, DONE_MARKER))
+
+
+def ensure_tiny(cache_dir: str, name: str, build: Callable[[str], None]) -> str:
+    """CACHE/NAME built by `build(folder)` on first use. Ranks that start together take a file
+    lock so that exactly one builds; a build is moved into place whole, then marked done."""
+    final = os.path.join(cache_dir, name)
+    done = os.path.join(final, DONE_MARKER)
+    if os.path.exists(done):
+        return final
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, f".{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(done):
+            with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".build-{name}-") as tmp:
+                built = os.path.join(tmp, name)
+                os.makedirs(built)
+                build(built)
+                if os.path.exists(final):
+                    shutil.rmtree(final)
+                os.replace(built, final)
+            with open(done, "w") as f:
+                f.write("built\n")
+    return final

@@ -63,6 +63,7 @@ def compile_blocks(transformer) -> None:
     if getattr(transformer, "_hpcnft_compiled", False):
         return
     _raise_recompile_limits()
-    for block in transformer.transformer_blocks:
+    # SD3's blocks, and FLUX's double-stream then single-stream blocks
+    for block in (*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", ())):
         compile_module(block)
     transformer._hpcnft_compiled = True

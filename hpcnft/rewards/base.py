@@ -7,16 +7,12 @@ state between calls, so that a chunk's scores do not depend on which rank or bat
 """
 from __future__ import annotations
 
-import fcntl
-import os
-import shutil
-import tempfile
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from hpcnft.models.tiny_cache import DONE_MARKER, cache_dir
+from hpcnft.models.tiny_cache import cache_dir, ensure_tiny  # noqa: F401 - the terms' tiny models
 
 
 class RewardTerm(Protocol):
@@ -35,26 +31,3 @@ def as_uint8_numpy(images: np.ndarray | torch.Tensor) -> np.ndarray:
 def tiny_cache(cfg) -> str:
     """Where the terms' tiny models are built: models.tiny_cache, else the default cache."""
     return cfg.models.tiny_cache or cache_dir()
-
-
-def ensure_tiny(cache_dir: str, name: str, build: Callable[[str], None]) -> str:
-    """CACHE/NAME built by `build(folder)` on first use. Ranks that start together take a file
-    lock so that exactly one builds; a build is moved into place whole, then marked done."""
-    final = os.path.join(cache_dir, name)
-    done = os.path.join(final, DONE_MARKER)
-    if os.path.exists(done):
-        return final
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(os.path.join(cache_dir, f".{name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(done):
-            with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".build-{name}-") as tmp:
-                built = os.path.join(tmp, name)
-                os.makedirs(built)
-                build(built)
-                if os.path.exists(final):
-                    shutil.rmtree(final)
-                os.replace(built, final)
-            with open(done, "w") as f:
-                f.write("built\n")
-    return final

@@ -24,7 +24,7 @@ from hpcnft.run.job import train_main
 from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import check_trackers, default_run_dir, lock_run_dir, tiny_models_built
+from hpcnft.run.rundir import check_trackers, default_run_dir, lock_run_dir, tiny_models_needed
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -89,7 +89,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
     try:
         # The tiny models are built (once, under a file lock) before the process group exists:
         # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
-        if info.rank == 0 and (not cfg.models.sd3_dir or not cfg.models.pickscore_dir) and not tiny_models_built(cfg):
+        if info.rank == 0 and tiny_models_needed(cfg):
             print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)
         build_tiny_models(cfg)  # the reward terms' tiny models

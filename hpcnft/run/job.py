@@ -21,7 +21,7 @@ from hpcnft.dist.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.dist.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
 from hpcnft.io import checkpoint
 from hpcnft.io.trackers import TrackerGroup
-from hpcnft.models.loading import load_sd3_pipeline, resolve_model_paths
+from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
 from hpcnft.run.resume import ResumePlan
@@ -30,11 +30,12 @@ from hpcnft.run.resume import ResumePlan
 def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
     determinism.seed_globals(cfg.train.seed)
     paths = resolve_model_paths(cfg)
-    pipe = load_sd3_pipeline(paths.sd3, torch.float32, topo.device)
+    family = base_family(cfg)
+    pipe = family.load(paths.base, torch.float32, topo.device)
     levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.device.type == "cuda" and cfg.train.precision != "fp32":
         dtype = torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16
-        for enc in (pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        for enc in family.text_encoders(pipe):
             enc.to(dtype)
     if topo.role == "colocated":
         client = LocalRewardClient(make_score_fn(cfg, load_terms(cfg, topo.device)),

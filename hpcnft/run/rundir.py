@@ -19,7 +19,8 @@ def check_input(cfg) -> None:
     """preflight's checks that do not read the run dir's contents (a run that holds the run dir
     may be writing them)."""
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
-    from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError, check_folder
+    from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError,
+                                       check_folder)
 
     try:
         read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
@@ -27,6 +28,8 @@ def check_input(cfg) -> None:
         m = cfg.models
         if m.sd3_dir:
             check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
+        if m.flux_dir:
+            check_folder("models.flux_dir", m.flux_dir, FLUX_REQUIRED)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
         if m.pickscore_processor_dir or m.pickscore_dir:
@@ -80,10 +83,16 @@ def default_run_dir(recipe: str) -> str:
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def tiny_models_built(cfg) -> bool:
-    from hpcnft.models.tiny_cache import built, cache_dir
+def tiny_models_needed(cfg) -> bool:
+    """Whether this config uses a tiny model that is not built yet (without importing torch)."""
+    from hpcnft.models.tiny_cache import FLUX_DIRNAME, built, cache_dir
 
-    return built(cfg.models.tiny_cache or cache_dir())
+    m = cfg.models
+    cache = m.tiny_cache or cache_dir()
+    base = m.sd3_dir if m.family == "sd3" else m.flux_dir
+    sd3_and_pickscore = not m.pickscore_dir or (m.family == "sd3" and not base)  # built together
+    return ((sd3_and_pickscore and not built(cache))
+            or (m.family == "flux" and not base and not built(os.path.join(cache, FLUX_DIRNAME))))
 
 
 def check_existing_run(cfg) -> None:

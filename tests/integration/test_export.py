@@ -23,7 +23,7 @@ def rollout_reward_with(lora_dir: str, step: int) -> float:
     torch.set_num_threads(1)  # the run's determinism.cpu_threads
     cfg, cpu = load_config("tiny"), torch.device("cpu")
     paths = resolve_model_paths(cfg)
-    pipe = load_sd3_pipeline(paths.sd3, torch.float32, cpu)
+    pipe = load_sd3_pipeline(paths.base, torch.float32, cpu)
     pipe.load_lora_weights(lora_dir)
     scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, cpu), cpu)
     encode = PromptEncoder(pipe, cfg.rollout.max_sequence_length, cpu, cfg=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hpcnft.algo import nft
+from hpcnft.models.families.sd3 import dit_timestep
 from hpcnft.algo.sampler import sigma_grid, velocity
 
 C = 5.0  # adv_clip_max of the recipe
@@ -200,7 +201,7 @@ def test_sigma_grid_mean_of_the_trained_sigmas(grid):
 
 
 def test_dit_timestep_column_of_the_table(grid):
-    tau = nft.dit_timestep(grid)
+    tau = dit_timestep(grid)
     assert tau.dtype == torch.float32
     assert torch.equal(tau, grid.to(torch.float32) * 1000.0)
     for got, want in zip(tau.tolist(), TIMESTEP_TABLE):
@@ -227,27 +228,25 @@ def test_corrupt_at_sigma_zero_is_the_data():
 
 
 def test_dit_timestep_is_sigma_times_1000_in_float32():
-    tau = nft.dit_timestep(torch.tensor([0.5]))
+    tau = dit_timestep(torch.tensor([0.5]))
     assert tau.dtype == torch.float32 and tau.item() == 500.0
     s = torch.tensor([0.27804878, 0.00892857], dtype=torch.float64)
-    assert torch.equal(nft.dit_timestep(s), s.to(torch.float32) * 1000.0)  # fp32 multiply, not truncated
-    assert nft.dit_timestep(s)[1].item() != 8.0
-
-
-class _RecordingDiT(torch.nn.Module):
-    """Stands in for SD3's transformer and records the timestep it is given."""
-
-    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
-        self.timestep = timestep
-        return (torch.zeros_like(hidden_states),)
+    assert torch.equal(dit_timestep(s), s.to(torch.float32) * 1000.0)  # fp32 multiply, not truncated
+    assert dit_timestep(s)[1].item() != 8.0
 
 
 def test_the_velocity_the_trainer_uses_feeds_1000_sigma_to_the_dit():
-    dit = _RecordingDiT()
+    from diffusers import SD3Transformer2DModel
+
+    from hpcnft.models.tiny import TINY_TRANSFORMER
+
+    dit = SD3Transformer2DModel(**TINY_TRANSFORMER)
+    seen = {}
+    dit.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
     sigma = torch.tensor([0.5, 0.00892857])
-    velocity(dit, torch.zeros(2, 16, 2, 2), sigma, torch.zeros(2, 3, 8), torch.zeros(2, 8), torch.float32)
-    assert dit.timestep.dtype == torch.float32
-    assert torch.equal(dit.timestep, torch.tensor([500.0, 0.00892857 * 1000.0], dtype=torch.float32))
+    velocity(dit, torch.zeros(2, 16, 4, 4), sigma, torch.zeros(2, 3, 64), torch.zeros(2, 64), torch.float32)
+    assert seen["timestep"].dtype == torch.float32
+    assert torch.equal(seen["timestep"], torch.tensor([500.0, 0.00892857 * 1000.0], dtype=torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------

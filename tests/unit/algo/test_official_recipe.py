@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hpcnft.algo import nft
+from hpcnft.models.families.sd3 import dit_timestep
 from hpcnft.algo.sampler import Conditioning, null_autocast, sigma_grid
 from hpcnft.algo.solvers import sample
 from hpcnft.common.config import load_config
@@ -316,9 +317,9 @@ def test_integer_timesteps_are_the_official_long_of_1000_sigma(tiny_dit):
     sigmas = sigma_grid(scheduler, 10)[:-1]
     official = [torch.full([1], s * 1000, dtype=torch.long).item() for s in _official_sigmas(scheduler, 10)[:-1]]
     assert official == [1000, 960, 913, 857, 790, 707, 602, 464, 278, 8]
-    tau = nft.dit_timestep(sigmas, integer=True)
+    tau = dit_timestep(sigmas, integer=True)
     assert tau.dtype == torch.float32 and tau.tolist() == [float(t) for t in official]
-    assert nft.dit_timestep(sigmas).tolist() != tau.tolist()  # the default keeps the float
+    assert dit_timestep(sigmas).tolist() != tau.tolist()  # the default keeps the float
 
 
 def test_the_dit_sees_the_same_values_as_with_the_official_long_timestep(tiny_dit):

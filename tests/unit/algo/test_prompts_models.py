@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from hpcnft.algo.prompts import PromptFileError, PromptStream, read_prompt_file
-from hpcnft.models.loading import (PICKSCORE_REQUIRED, SD3_REQUIRED, ModelError, check_folder, load_pickscore,
-                           load_sd3_pipeline)
+from hpcnft.models.folders import PICKSCORE_REQUIRED, SD3_REQUIRED, ModelError, check_folder
+from hpcnft.models.loading import load_pickscore, load_sd3_pipeline
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -1,0 +1,32 @@
+"""Base-model families: what differs between SD3 and FLUX.1 (text encoders and prompt encoding,
+latent packing and image ids, timestep and guidance conditioning, the sampler's sigma grid, the
+pipeline class), behind one small interface (`base.Family`). The NFT math, the trainer, the
+layout, the run file and the checkpoints know only that interface.
+
+The family of a DiT is known by its class (`family_of`), so that the sampler and the trainer need
+no more than the transformer they already hold; a config names it with `models.family`."""
+from __future__ import annotations
+
+from hpcnft.models.families.base import Family
+from hpcnft.models.families.flux import FLUX
+from hpcnft.models.families.sd3 import SD3
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX)}
+
+
+def family_named(name: str) -> Family:
+    return FAMILIES[name]
+
+
+_BY_CLASS: dict[type, Family] = {}
+
+
+def family_of(transformer) -> Family:
+    """The family whose DiT class `transformer` is (FSDP2 and peft keep the class an instance)."""
+    cls = type(transformer)
+    if cls not in _BY_CLASS:
+        owners = [f for f in FAMILIES.values() if f.owns(transformer)]
+        if not owners:
+            raise TypeError(f"no model family takes a {cls.__name__}")
+        _BY_CLASS[cls] = owners[0]
+    return _BY_CLASS[cls]

@@ -1,0 +1,83 @@
+"""The interface a base-model family implements (see the package's docstring)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hpcnft.common.errors import one_line
+from hpcnft.models.folders import ModelError, check_folder, quiet_libraries
+
+
+class Family:
+    name: str = ""
+    dir_key: str = ""  # the config key of the family's model folder ("models.sd3_dir")
+    tiny_dirname: str = ""  # the tiny model's folder in the tiny-model cache
+    required: tuple[str, ...] = ()  # what the folder must hold (models.folders.check_folder)
+    pipeline_class: str = ""  # diffusers' pipeline for this family
+    transformer_class: str = ""
+    # True: rollout.guidance_scale > 1 means classifier-free guidance (two DiT passes); False: the
+    # DiT embeds the guidance value itself (guidance-distilled) and is always called once.
+    cfg_guidance: bool = True
+
+    def owns(self, transformer) -> bool:
+        import diffusers
+
+        return isinstance(transformer, getattr(diffusers, self.transformer_class))
+
+    # -- folders and loading ---------------------------------------------------------------
+    def model_dir(self, models_cfg) -> str:
+        return getattr(models_cfg, self.dir_key.split(".", 1)[1])
+
+    def load(self, path: str, dtype: torch.dtype, device: torch.device):
+        """The family's real diffusers pipeline from a local folder (safetensors only), every
+        part on `device`, frozen and in eval mode."""
+        check_folder(self.dir_key, path, self.required)
+        quiet_libraries()
+        import diffusers
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
+                    path, local_files_only=True, use_safetensors=True, dtype=dtype)
+        except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
+            raise ModelError(f"{self.dir_key}: cannot load {path!r} ({one_line(e)})") from None
+        pipe.set_progress_bar_config(disable=True)
+        for part in (*self.text_encoders(pipe), pipe.vae, pipe.transformer):
+            part.to(device).requires_grad_(False).eval()
+        return pipe
+
+    def build_tiny(self, out_dir: str) -> None:
+        raise NotImplementedError
+
+    # -- prompts ---------------------------------------------------------------------------
+    def text_encoders(self, pipe) -> list:
+        raise NotImplementedError
+
+    def encode_prompt(self, pipe, prompt: str, max_sequence_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prompt's (token embeddings [1, L, D], pooled embedding [1, P])."""
+        raise NotImplementedError
+
+    def token_limits(self, pipe, max_sequence_length: int) -> list[tuple[str, object, int]]:
+        """(encoder name, tokenizer, tokens it keeps) for every text encoder."""
+        raise NotImplementedError
+
+    # -- latents, time and the DiT ---------------------------------------------------------
+    def latent_shape(self, pipe, height: int, width: int) -> tuple[int, int, int]:
+        """The VAE latent [C, h, w] of an image, the space the sampler and the NFT loss work in."""
+        factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+        return (pipe.vae.config.latent_channels, height // factor, width // factor)
+
+    def sigma_grid(self, scheduler, num_steps: int, latent_shape: tuple[int, int, int]) -> torch.Tensor:
+        """The sampler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU)."""
+        raise NotImplementedError
+
+    def velocity(self, transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: torch.Tensor,
+                 pooled: torch.Tensor, dtype: torch.dtype, integer_timesteps: bool, guidance: float) -> torch.Tensor:
+        """The DiT's velocity at latents x [B, C, h, w] and flow time sigma [B], shaped like x."""
+        raise NotImplementedError
+
+    def fsdp_blocks(self, transformer) -> list[torch.nn.Module]:
+        """The DiT's repeated blocks, each its own FSDP2 unit."""
+        raise NotImplementedError
