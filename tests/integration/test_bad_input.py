@@ -43,6 +43,10 @@ def _case_missing_model_folder(tmp):
         ["models.sd3_dir", "/nonexistent"]
 
 
+def _case_missing_flux_folder(tmp):
+    return ["tiny_flux", "--set", "models.flux_dir=/nonexistent/FLUX.1-dev"], ["models.flux_dir", "/nonexistent/FLUX.1-dev"]
+
+
 def _case_incomplete_model_folder(tmp):
     d = tmp / "models" / "sd3"
     d.mkdir(parents=True)
@@ -99,6 +103,7 @@ def _case_run_dir_below_a_regular_file(tmp):
 
 CASES = {
     "missing model folder": _case_missing_model_folder,
+    "missing FLUX folder": _case_missing_flux_folder,
     "incomplete model folder": _case_incomplete_model_folder,
     "missing prompt file": _case_missing_prompt_file,
     "empty prompt file": _case_empty_prompt_file,
