@@ -163,17 +163,21 @@ def build_tiny_sd3(out_dir: str, seed: int = 0) -> str:
     finish_tokenizer_dir(os.path.join(path, "tokenizer"), os.path.join(tmp_tok, "clip1"))
     finish_tokenizer_dir(os.path.join(path, "tokenizer_2"), os.path.join(tmp_tok, "clip2"))
     finish_tokenizer_dir(os.path.join(path, "tokenizer_3"))
-    # transformers 5.x records tokenizer_3 as "T5Tokenizer" (T5TokenizerFast is an alias there); the real
-    # SD3.5 model_index.json says "T5TokenizerFast", which also resolves on 4.x (where T5Tokenizer is the
-    # sentencepiece class).
-    mi_path = os.path.join(path, "model_index.json")
-    with open(mi_path) as f:
-        mi = json.load(f)
-    mi["tokenizer_3"] = ["transformers", "T5TokenizerFast"]
-    with open(mi_path, "w") as f:
-        json.dump(mi, f, indent=2, sort_keys=True)
+    record_t5_tokenizer_fast(path, "tokenizer_3")
     shutil.rmtree(tmp_tok, ignore_errors=True)
     return path
+
+
+def record_t5_tokenizer_fast(pipeline_dir: str, part: str) -> None:
+    """transformers 5.x records a T5 tokenizer as "T5Tokenizer" (T5TokenizerFast is an alias there);
+    the real SD3.5 and FLUX.1 model_index.json say "T5TokenizerFast", which also resolves on 4.x
+    (where T5Tokenizer is the sentencepiece class)."""
+    mi_path = os.path.join(pipeline_dir, "model_index.json")
+    with open(mi_path) as f:
+        mi = json.load(f)
+    mi[part] = ["transformers", "T5TokenizerFast"]
+    with open(mi_path, "w") as f:
+        json.dump(mi, f, indent=2, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------------------

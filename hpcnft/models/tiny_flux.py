@@ -8,13 +8,12 @@ tiny SD3.5's, so that two builds are byte-identical).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import torch
 
-from hpcnft.models.tiny import CHAR_COVERAGE, PROMPTS, TINY_CLIP_TEXT, TINY_T5, TINY_VAE
+from hpcnft.models.tiny import CHAR_COVERAGE, PROMPTS, TINY_CLIP_TEXT, TINY_T5, TINY_VAE, record_t5_tokenizer_fast
 from hpcnft.models.tiny_tokenizers import finish_tokenizer_dir, make_clip_tokenizer, make_t5_tokenizer
 
 # Constraints (FluxPipeline / FluxTransformer2DModel):
@@ -64,12 +63,6 @@ def build_tiny_flux(path: str, seed: int = 0) -> str:
     pipe.save_pretrained(path, safe_serialization=True)
     finish_tokenizer_dir(os.path.join(path, "tokenizer"), os.path.join(tmp_tok, "clip"))
     finish_tokenizer_dir(os.path.join(path, "tokenizer_2"))
-    # as the real FLUX.1-dev model_index.json (see models.tiny for T5TokenizerFast)
-    mi_path = os.path.join(path, "model_index.json")
-    with open(mi_path) as f:
-        mi = json.load(f)
-    mi["tokenizer_2"] = ["transformers", "T5TokenizerFast"]
-    with open(mi_path, "w") as f:
-        json.dump(mi, f, indent=2, sort_keys=True)
+    record_t5_tokenizer_fast(path, "tokenizer_2")
     shutil.rmtree(tmp_tok, ignore_errors=True)
     return path
