@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,35 @@ def kill_all_ranks(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
         os.kill(pid, sig)
     proc.kill()
     proc.wait(timeout=60)
+
+
+def preempt_during(recipe: str, steps: str, run_dir: str, step: int, extra=()) -> int:
+    """Start `hpcnft run recipe --steps steps`, send SIGUSR2 once step `step - 1` is printed; the
+    job checkpoints at the end of the iteration in which the ranks agree on the flag (step - 1 if
+    the signal beat the agreement of that step, else step) and exits 75. Returns that step."""
+    proc = start("run", recipe, "--steps", steps, "--run-dir", run_dir, *extra)
+    wait_for_line(proc, f"step {step - 1}/{steps}")
+    sent = time.strftime("%H:%M:%S")
+    proc.send_signal(signal.SIGUSR2)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, f"SIGUSR2 sent at {sent}\n{out}\n{err}\n{rank_logs(run_dir)}"
+    stopped = int(re.search(r"preempted at step (\d+)", out).group(1))
+    assert stopped in (step - 1, step), out
+    return stopped
+
+
+def sigkill_during(recipe: str, steps: str, run_dir: str, step: int, extra=()) -> None:
+    """Start the job and SIGKILL every rank while `step` runs (after step-1's checkpoint)."""
+    proc = start("run", recipe, "--steps", steps, "--run-dir", run_dir, *extra)
+    wait_for_line(proc, f"step {step - 1}/{steps}")
+    kill_all_ranks(proc)
+
+
+def rank_logs(run_dir: str) -> str:
+    """The ranks' logs, timestamped: when each rank saw the signal, if it did."""
+    logs = os.path.join(run_dir, "logs")
+    return "\n".join(f"--- {name}\n" + open(os.path.join(logs, name)).read()
+                     for name in sorted(os.listdir(logs))) if os.path.isdir(logs) else "(no logs)"
 
 
 def non_perf(metrics: dict) -> dict:

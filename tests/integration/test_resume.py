@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import time
 
 import pytest
 
-from jobs import assert_same_metrics, hpcnft, kill_all_ranks, start, wait_for_line
+import jobs
+from jobs import assert_same_metrics, hpcnft
 from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
@@ -26,32 +24,11 @@ def uninterrupted(tmp_path_factory):
 
 
 def preempt_during(run_dir: str, step: int, extra=()) -> int:
-    """Start the job, send SIGUSR2 once step `step - 1` is printed; the job checkpoints at the
-    end of the iteration in which the ranks agree on the flag (step - 1 if the signal beat the
-    agreement of that step, else step) and exits 75. Returns that step."""
-    proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir, *extra)
-    wait_for_line(proc, f"step {step - 1}/{STEPS}")
-    sent = time.strftime("%H:%M:%S")
-    proc.send_signal(signal.SIGUSR2)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 75, f"SIGUSR2 sent at {sent}\n{out}\n{err}\n{rank_logs(run_dir)}"
-    stopped = int(re.search(r"preempted at step (\d+)", out).group(1))
-    assert stopped in (step - 1, step), out
-    return stopped
-
-
-def rank_logs(run_dir: str) -> str:
-    """The ranks' logs, timestamped: when each rank saw the signal, if it did."""
-    logs = os.path.join(run_dir, "logs")
-    return "\n".join(f"--- {name}\n" + open(os.path.join(logs, name)).read()
-                     for name in sorted(os.listdir(logs))) if os.path.isdir(logs) else "(no logs)"
+    return jobs.preempt_during("tiny", STEPS, run_dir, step, extra)
 
 
 def sigkill_during(run_dir: str, step: int, extra=()) -> None:
-    """Start the job and SIGKILL every rank while `step` runs (after step-1's checkpoint)."""
-    proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir, *extra)
-    wait_for_line(proc, f"step {step - 1}/{STEPS}")
-    kill_all_ranks(proc)
+    jobs.sigkill_during("tiny", STEPS, run_dir, step, extra)
 
 
 def test_a_shorter_run_then_more_steps(uninterrupted, tmp_path):
