@@ -1,21 +1,26 @@
 """`hpcnft bench`: time, FLOPs and MFU of each phase of one DiffusionNFT iteration.
 
 Random weights at the real shapes (`--shapes sd35m`: the SD3.5-M DiT, the SD3.5 VAE and a
-PickScore-shaped CLIP-H; nothing is downloaded) or at the tiny shapes (`--shapes tiny`, runs on
-a CPU). Each phase is timed after warm-up (CUDA events on a GPU, the median of the repeats), its
-FLOPs counted by torch.utils.flop_counter.FlopCounterMode over the phase itself (run eagerly
-once), and its achieved TFLOP/s set against a dense fp16 matmul measured in the same process.
+PickScore-shaped CLIP-H; `sd35l`: SD3.5-Large's 8.1 B DiT; `flux1dev`: FLUX.1-dev's 11.9 B DiT
+in bf16 with FLUX's VAE, T5's 512 tokens, LoRA r64 and gradient checkpointing; nothing is
+downloaded) or at the tiny shapes (`--shapes tiny`, `tiny_flux`: run on a CPU). Each phase is
+timed after warm-up (CUDA events on a GPU, the median of the repeats), its FLOPs counted by
+torch.utils.flop_counter.FlopCounterMode over the phase itself (run eagerly once), and its
+achieved TFLOP/s set against a dense matmul in the shapes' compute dtype (fp16; bf16 for FLUX)
+measured in the same process.
 
 Stacks, each measured in turn in this process:
-  eager          the plain diffusers + peft stack (fp16 DiT, LoRA r32, autocast, default SDPA)
-                 written out here without any package code (with --baseline);
+  eager          the plain diffusers + peft stack (half-precision DiT, LoRA, autocast, default
+                 SDPA; FLUX as FluxPipeline calls its DiT) written out here without any package
+                 code (with --baseline);
   hpcnft default the package's own path (Policy under FSDP2, Trainer.step, Learner.iteration,
                  euler_sample, decode_to_uint8, PickScoreScorer) with every perf lever off;
   hpcnft fast    the same path with the levers of hpcnft.perf.levers.FAST (change with --set).
 `--levers` measures single levers against "hpcnft default", one at a time.
 
-Phases: rollout DiT forward (batch 8/16), VAE decode, PickScore of one iteration's images, the
-train pair (v_old + v_theta + backward through Trainer.step, micro-batch 4/16) and one whole
+Phases (sd35m's batch sizes; the others' in bench.shapes): rollout DiT forward (batch 8/16), VAE
+decode, PickScore of one iteration's images, the train pair (v_old + v_theta + backward through
+Trainer.step, micro-batch 4/16) and one whole
 iteration of the recipe (64 samples x 10 steps at 512 px, 64 decodes and PickScores, 576 pairs).
 `--phases reward_terms` (not a default phase) adds the other reward terms on one iteration's
 images in the fast stack: HPSv2, CLIP score, aesthetic (random-weight towers at the real shapes,

@@ -8,7 +8,7 @@ import sys
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.report import markdown
 from hpcnft.bench.run import Bench
-from hpcnft.bench.shapes import SHAPES
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES
 from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 
@@ -26,8 +26,11 @@ def _phase_list(text: str) -> list[str]:
 
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shapes", choices=sorted(SHAPES), default="sd35m",
-                   help="sd35m: the real SD3.5-M/VAE/CLIP-H shapes (needs CUDA); tiny: the tiny models (CPU is fine)")
+    p.add_argument("--shapes", choices=list(SHAPES), default="sd35m",
+                   help="random weights at real shapes, each with the SD3.5/FLUX VAE and PickScore's CLIP-H (need "
+                        "CUDA): sd35m (SD3.5-Medium, fp16), sd35l (SD3.5-Large, fp16), flux1dev (FLUX.1-dev, bf16, "
+                        "LoRA r64, gradient checkpointing); or the tiny models (a CPU is fine): tiny (SD3), "
+                        "tiny_flux (FLUX.1-dev)")
     p.add_argument("--baseline", action="store_true",
                    help="also measure the plain diffusers + peft eager stack, and print the ratios")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here (rewritten after every phase)")
@@ -67,8 +70,10 @@ def main(name: str, args: argparse.Namespace) -> int:
     import torch
 
     S = SHAPES[args.shapes]()
-    if args.shapes == "sd35m" and not torch.cuda.is_available():
-        raise UsageError("--shapes sd35m needs a CUDA device and none is available (use --shapes tiny on a CPU)")
+    if args.shapes in REAL_SHAPES and not torch.cuda.is_available():
+        tiny = "tiny_flux" if S.family == "flux" else "tiny"
+        raise UsageError(f"--shapes {args.shapes} needs a CUDA device and none is available "
+                         f"(use --shapes {tiny} on a CPU)")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

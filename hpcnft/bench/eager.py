@@ -1,10 +1,18 @@
-"""The reference baseline: a plain diffusers + peft eager stack, written without package code."""
+"""The reference baseline: a plain diffusers + peft eager stack, written without package code.
+
+SD3 (SD3Transformer2DModel) as StableDiffusion3Pipeline calls it; FLUX.1 as FluxPipeline does:
+the latents packed 2x2 into tokens with their image ids and zero text ids, the DiT's time as
+sigma, the guidance value embedded (no classifier-free guidance), FluxPipeline's shifted sigma
+grid. Both families train on the unpacked latents with the same NFT loss."""
 from __future__ import annotations
 
 import contextlib
 
-from hpcnft.bench.shapes import (LORA_TARGETS, TRAIN_K, Shapes, _torch, build_clip, build_dit, build_vae,
-                                 clip_processor, prompt_list, random_images, scheduler)
+from hpcnft.bench.shapes import (TRAIN_K, Shapes, _torch, build_clip, build_dit, build_vae, clip_processor,
+                                 prompt_list, random_images, scheduler)
+
+DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+FLUX_GUIDANCE = 3.5  # FluxPipeline's default for FLUX.1-dev, as the flux1dev recipe's rollout.guidance_scale
 
 
 class EagerStack:
@@ -15,13 +23,19 @@ class EagerStack:
     def __init__(self, S: Shapes, dev):
         torch = _torch()
         self.S, self.dev = S, dev
-        self.dtype = torch.float16 if dev.type == "cuda" else torch.float32
+        self.flux = S.family == "flux"
+        self.dtype = getattr(torch, DTYPES[S.precision]) if dev.type == "cuda" else torch.float32
         self.mb = max(S.micro_batches)
         self.rollout_batch = max(S.rollout_batches)
         self.config = {"dtype": str(self.dtype), "rollout_batch": self.rollout_batch, "micro_batch": self.mb,
-                       "attention": "default SDPA", "tf32": dev.type == "cuda"}
+                       "attention": "default SDPA", "tf32": dev.type == "cuda", "family": S.family,
+                       "lora_targets": list(S.lora_targets), "grad_checkpointing": S.grad_checkpointing}
+        if self.flux:
+            self.config["guidance"] = FLUX_GUIDANCE
         self._dit = self._vae = self._clip = None
+        self._ids = {}  # FLUX's image and text ids, by shape
         self.sigmas = None
+        self.k = int(S.num_steps * 0.99)  # the trained sigmas per sample (timestep_fraction 0.99)
 
     # lazily built parts
     @property
@@ -32,18 +46,34 @@ class EagerStack:
 
             dit = build_dit(self.S, self.dev).to(self.dtype).eval().requires_grad_(False)
             dit.add_adapter(LoraConfig(r=self.S.lora_rank, lora_alpha=self.S.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+                                       target_modules=list(self.S.lora_targets)))
             for n, p in dit.named_parameters():
                 if "lora" in n:
                     p.data = p.data.float()
                     p.requires_grad_(True)
+            if self.S.grad_checkpointing:
+                dit.enable_gradient_checkpointing()
             self.lora = [p for p in dit.parameters() if p.requires_grad]
             self.opt = torch.optim.AdamW(self.lora, lr=3e-4, weight_decay=1e-4)
             self._dit = dit
-            sched = scheduler()
-            sched.set_timesteps(self.S.num_steps)
-            self.sigmas = sched.sigmas.to(self.dev, torch.float32)
+            self.sigmas = self._sigma_grid().to(self.dev, torch.float32)
         return self._dit
+
+    def _sigma_grid(self):
+        """The scheduler's sigmas as the family's pipeline sets them for num_steps steps."""
+        sched = scheduler(self.S)
+        if not self.flux:
+            sched.set_timesteps(self.S.num_steps)
+            return sched.sigmas
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        _, h, w = self.S.latent_shape
+        c = sched.config  # FluxPipeline: linspace(1, 1/N, N), shifted by mu of the image's token count
+        mu = calculate_shift((h // 2) * (w // 2), c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
+                             c.max_shift)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.S.num_steps, self.S.num_steps), mu=mu)
+        return sched.sigmas
 
     @property
     def vae(self):
@@ -67,19 +97,39 @@ class EagerStack:
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
         pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g)
-        pooled = torch.randn(n, self.S.dit["pooled_projection_dim"], generator=g)
+        pooled = torch.randn(n, self.S.pooled_width, generator=g)
         return pe.to(self.dev, self.dtype), pooled.to(self.dev, self.dtype)
 
     def _latent(self, n: int, seed: int = 0):
+        """VAE latents [n, 16, h, w] (FLUX's unpacked, as FluxPipeline draws its noise)."""
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
-        h = self.S.size // 8
-        return torch.randn(n, self.S.dit["in_channels"], h, h, generator=g).to(self.dev)
+        return torch.randn(n, *self.S.latent_shape, generator=g).to(self.dev)
 
-    # rollout: the base DiT in fp16 (adapters off, as in the reference baseline)
+    # rollout: the base DiT in half precision (adapters off, as in the reference baseline)
     def _velocity(self, x, sigma, pe, pooled):
+        if self.flux:
+            return self._flux_velocity(x, sigma, pe, pooled)
         return self.dit(hidden_states=x.to(self.dtype), timestep=sigma * 1000.0, encoder_hidden_states=pe,
                         pooled_projections=pooled, return_dict=False)[0]
+
+    def _flux_velocity(self, x, sigma, pe, pooled):
+        """FluxPipeline's DiT call on unpacked latents x [B, C, h, w]: packed 2x2 into tokens, the
+        time as sigma, the guidance embedded, the velocity unpacked back."""
+        torch = _torch()
+        from diffusers import FluxPipeline
+
+        b, c, h, w = x.shape
+        tokens = FluxPipeline._pack_latents(x.to(self.dtype), b, c, h, w)
+        key = (h, w, pe.shape[1])
+        if key not in self._ids:  # FluxPipeline makes them once per call, before its loop
+            self._ids[key] = (FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, self.dtype),
+                              torch.zeros(pe.shape[1], 3, device=x.device, dtype=self.dtype))
+        img_ids, txt_ids = self._ids[key]
+        guidance = torch.full([1], FLUX_GUIDANCE, device=x.device, dtype=torch.float32).expand(b)
+        out = self.dit(hidden_states=tokens, timestep=sigma, guidance=guidance, pooled_projections=pooled,
+                       encoder_hidden_states=pe, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, h * 8, w * 8, 8)
 
     @contextlib.contextmanager
     def rollout_mode(self):
@@ -160,7 +210,7 @@ class EagerStack:
             m = min(mb, n_pairs - i)
             x0 = self._latent(m, seed=i + 7)
             eps = torch.randn(x0.shape, generator=g).to(self.dev)
-            sig = self.sigmas[torch.randint(0, 9, (m,), generator=g)].to(self.dev)
+            sig = self.sigmas[torch.randint(0, self.k, (m,), generator=g)].to(self.dev)
             x_sigma = (1 - sig.view(-1, 1, 1, 1)) * x0 + sig.view(-1, 1, 1, 1) * eps
             pe, pooled = self._cond(m, seed=i)
             data.append((x_sigma, x0, sig, pe, pooled))
@@ -183,7 +233,7 @@ class EagerStack:
         torch = _torch()
         S, b = self.S, self.rollout_batch
         n = S.samples
-        k = int(S.num_steps * 0.99)
+        k = self.k
         pe_all, pooled_all = self._cond(n, seed=11)
         prompts = prompt_list(n)
 
@@ -217,3 +267,4 @@ class EagerStack:
 
     def close(self) -> None:
         self._dit = self._vae = self._clip = self.opt = self.lora = None
+        self._ids = {}

@@ -58,7 +58,8 @@ def write_real_shape_folders(out_dir: str, S: Shapes, device: str = "cpu") -> tu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m hpcnft.bench.folders", description=__doc__.splitlines()[0])
     p.add_argument("out", help="output folder; receives sd35_tiny/ and pickscore_tiny/")
-    p.add_argument("--shapes", choices=sorted(SHAPES), default="sd35m")
+    p.add_argument("--shapes", choices=sorted(k for k in SHAPES if SHAPES[k]().family == "sd3"), default="sd35m",
+                   help="SD3 shapes only (the folders are a StableDiffusion3Pipeline's)")
     p.add_argument("--device", default="cpu", help="where the random weights are drawn (cuda is faster)")
     args = p.parse_args(argv)
     for path in write_real_shape_folders(args.out, SHAPES[args.shapes](), args.device):

@@ -37,6 +37,8 @@ def expand_levers(specs: list[str], dev, S: Shapes, flag: str = "--levers") -> l
                 lever = dict(lever)
                 if dev.type != "cuda" and set(lever) & set(CUDA_ONLY_KEYS()):
                     continue
+                if set(lever) & set(family_only_keys(S)):
+                    continue
                 if "rollout.batch_size" in lever:
                     lever["rollout.batch_size"] = 2 * max(S.rollout_batches)
                     if lever["rollout.batch_size"] > S.samples:
@@ -63,13 +65,29 @@ def CUDA_ONLY_KEYS():  # noqa: N802 - a constant, read lazily so the CLI stays l
     return CUDA_ONLY
 
 
+def family_only_keys(S: Shapes) -> tuple:
+    """The perf keys the shapes' model family cannot take (validation.SD3_ONLY_LEVERS off SD3)."""
+    from hpcnft.common.validation import SD3_ONLY_LEVERS
+
+    return () if S.family == "sd3" else tuple(f"perf.{k}" for k in SD3_ONLY_LEVERS)
+
+
 def fast_overrides(S: Shapes, dev, overrides: list[str]) -> dict:
+    """"hpcnft fast": FAST, at the shapes' largest batch sizes but for sd35m (FAST's are its),
+    with the shapes' gradient checkpointing, without the levers the family cannot take (FLUX:
+    the SD3-only ones), on a CPU without the GPU-only ones; then --set."""
     from hpcnft.perf.levers import FAST
 
     out = dict(FAST)
-    if S.name != "sd35m":  # FAST's batch sizes are for the real shapes
+    if S.name != "sd35m":  # FAST's batch sizes are for the SD3.5-M shapes
         out["rollout.batch_size"], out["train.micro_batch"] = max(S.rollout_batches), max(S.micro_batches)
         out["perf.old_pass_batch"] = max(S.rollout_batches)
+    if S.grad_checkpointing:  # the shapes need it (memory), in every stack
+        out["train.grad_checkpointing"] = True
+    if S.precision == "bf16" and out.get("perf.vae_dtype") == "fp16":
+        out["perf.vae_dtype"] = "bf16"  # the VAE in the DiT's dtype, as FluxPipeline (and the eager stack) run it
+    for k in family_only_keys(S):
+        out.pop(k, None)
     if dev.type != "cuda":  # compile and SDPA backends are measured on GPUs; half precision too
         for k in CUDA_ONLY_KEYS() + ("perf.vae_dtype", "perf.pickscore_dtype"):
             out.pop(k, None)

@@ -61,8 +61,8 @@ def environment(dev) -> dict:
 
 
 PHASE_ORDER = ["rollout_fwd_b4", "rollout_fwd_b8", "rollout_fwd_b16", "rollout_fwd_b32", "vae_decode", "pickscore",
-               "hpsv2", "clipscore", "aesthetic", "jpeg", "train_pair_mb4", "train_pair_mb8", "train_pair_mb16",
-               "iteration"]
+               "hpsv2", "clipscore", "aesthetic", "jpeg", "train_pair_mb1", "train_pair_mb2", "train_pair_mb4",
+               "train_pair_mb8", "train_pair_mb16", "iteration"]
 
 
 def _cell(m: dict | None) -> str:

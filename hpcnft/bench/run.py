@@ -168,25 +168,34 @@ class Bench:
         return self.args.iteration == "all" or stack != "default"
 
     def free(self, stack) -> None:
+        """Drop a stack's models before the next stack builds its own: one DiT in memory at a
+        time (the largest shapes' weights are 16-24 GB). On a GPU the memory still allocated
+        after it is recorded in the stack's record (`allocated_after_free_gib`)."""
         torch = _torch()
         stack.close()
+        try:
+            import torch._dynamo
+
+            torch._dynamo.reset()  # compiled graphs and their guards hold on to the blocks
+        except Exception:  # noqa: BLE001
+            pass
         gc.collect()
         if self.dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        try:
-            import torch._dynamo
-
-            torch._dynamo.reset()
-        except Exception:  # noqa: BLE001
-            pass
+            left = torch.cuda.memory_allocated(self.dev) / 2**30
+            for rec in [self.doc["stacks"].get(stack.key)] + self.doc["levers"] + self.doc.get("variants", []):
+                if rec and rec.get("key") == stack.key:
+                    rec["allocated_after_free_gib"] = round(left, 3)
+            self.log(f"freed {stack.key}: {left:.2f} GiB still allocated")
 
     # -- the whole run
     def run(self) -> dict:
         S, args, dev = self.S, self.args, self.dev
         self.log(f"shapes {S.name} on {self.doc['environment']['device']}")
         self.doc["ceiling"] = matmul_ceiling(dev, S.ceiling_n)
-        key = "fp16_tflops" if dev.type == "cuda" else "fp32_tflops"
+        # against the ceiling of the shapes' compute dtype (fp16 for SD3.5, bf16 for FLUX.1)
+        key = f"{S.precision}_tflops" if dev.type == "cuda" else "fp32_tflops"
         self.doc["ceiling_tflops"] = self.doc["ceiling"][key]
         self.doc["ceiling_what"] = f"dense matmul {S.ceiling_n}^3, {key.split('_')[0]}, measured in this process"
         self.log(f"ceiling {self.doc['ceiling']}")

@@ -1,11 +1,29 @@
-"""The bench's shapes (real SD3.5-M or tiny) and its random-weight models, pipe and mesh."""
+"""The bench's shapes (real SD3.5-M, SD3.5-L and FLUX.1-dev, or tiny SD3 and FLUX) and its
+random-weight models, pipe and mesh. What differs between model families (the DiT's class, the
+text tokens and pooled width it takes, the scheduler, the VAE's latent) is the shapes' `family`
+(hpcnft.models.families)."""
 from __future__ import annotations
 
 import dataclasses
 
 LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                 "attn.add_v_proj", "attn.to_add_out"]
-CLIP_TOKENS = 77
+# FLUX.1-dev's recipe: both stream kinds' attention projections and the double-stream blocks' feed-forwards
+FLUX_LORA_TARGETS = LORA_TARGETS + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+# FLUX.1-dev's scheduler config: the sigma grid's shift grows with the image's token count
+FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                      base_image_seq_len=256, max_image_seq_len=4096)
+# The SD3.5 VAE (FLUX.1's has the same shape, its own scaling and shift)
+SD35_VAE = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
+                layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
+                scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
+# PickScore's CLIP-H (text and vision towers)
+PICKSCORE_TEXT = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                      max_position_embeddings=77, vocab_size=49408, hidden_act="gelu", projection_dim=1024)
+PICKSCORE_VISION = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                        image_size=224, patch_size=14, hidden_act="gelu", projection_dim=1024)
 TRAIN_K = 2  # sigmas per sample in the train-pair phase: two micro-batches per measured step
 
 
@@ -38,6 +56,11 @@ class Shapes:
     reps: int
     hpsv2_arch: dict  # the HPSv2 term's CLIP, as an open_clip model config
     clip_l: dict  # the clipscore and aesthetic terms' CLIP (hpcnft.rewards.clip_l's layout)
+    family: str = "sd3"  # hpcnft.models.families: the DiT's class, its text inputs, the sigma grid
+    precision: str = "fp16"  # train.precision on a GPU (fp32 on a CPU)
+    grad_checkpointing: bool = False  # every stack, the fast one included
+    lora_targets: tuple = tuple(LORA_TARGETS)
+    scheduler: dict = dataclasses.field(default_factory=lambda: dict(SD3_SCHEDULER))
 
     @property
     def samples(self) -> int:
@@ -45,7 +68,22 @@ class Shapes:
 
     @property
     def text_tokens(self) -> int:
-        return CLIP_TOKENS + self.t5_tokens
+        """The length of the prompt embeddings the DiT takes: SD3's CLIP-L/G (77) and T5 side by
+        side, FLUX's T5 alone (its CLIP gives the pooled embedding only)."""
+        from hpcnft.models.families import family_named
+
+        return family_named(self.family).prompt_tokens(self.t5_tokens)
+
+    @property
+    def pooled_width(self) -> int:
+        return self.dit["pooled_projection_dim"]
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """The VAE latent [C, h, w] of an image: the space of the sampler and the NFT loss (FLUX's
+        DiT packs it into tokens itself)."""
+        side = self.size // 2 ** (len(self.vae["block_out_channels"]) - 1)
+        return (self.vae["latent_channels"], side, side)
 
 
 def sd35m_shapes() -> Shapes:
@@ -58,17 +96,50 @@ def sd35m_shapes() -> Shapes:
                  num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
                  dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-        vae=dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                 up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512],
-                 layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-                 scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False),
-        clip_text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                       max_position_embeddings=77, vocab_size=49408, hidden_act="gelu", projection_dim=1024),
-        clip_vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
-                         image_size=224, patch_size=14, hidden_act="gelu", projection_dim=1024),
+        vae=dict(SD35_VAE), clip_text=dict(PICKSCORE_TEXT), clip_vision=dict(PICKSCORE_VISION),
         clip_projection=1024, size=512, t5_tokens=256, prompts=8, per_prompt=8, num_steps=10,
         rollout_batches=(8, 16), micro_batches=(4, 16), ceiling_n=8192, lora_rank=32, lora_alpha=64,
         warm=2, reps=5, hpsv2_arch=VIT_H_14, clip_l=VIT_L_14)
+
+
+def sd35l_shapes() -> Shapes:
+    """SD3.5-Large: the 8.1 B MMDiT (38 blocks of width 2432, no dual-attention blocks), the SD3.5
+    VAE and text widths, PickScore's CLIP-H; fp16 like SD3.5-M. Micro-batches 2 (the recipe's) and
+    4 without checkpointing: about 7 GB of activations a sample beside 16 GB of fp16 weights."""
+    from hpcnft.rewards.clip_l import VIT_L_14
+    from hpcnft.rewards.hpsv2 import VIT_H_14
+
+    return Shapes(
+        name="sd35l", recipe="sd35l_pickscore",
+        dit=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                 num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                 pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, dual_attention_layers=(),
+                 qk_norm="rms_norm"),
+        vae=dict(SD35_VAE), clip_text=dict(PICKSCORE_TEXT), clip_vision=dict(PICKSCORE_VISION),
+        clip_projection=1024, size=512, t5_tokens=256, prompts=8, per_prompt=8, num_steps=10,
+        rollout_batches=(8, 16), micro_batches=(2, 4), ceiling_n=8192, lora_rank=32, lora_alpha=64,
+        warm=1, reps=3, hpsv2_arch=VIT_H_14, clip_l=VIT_L_14)
+
+
+def flux1dev_shapes() -> Shapes:
+    """FLUX.1-dev: the 11.9 B DiT (19 double- and 38 single-stream blocks of width 3072, the
+    guidance embedding), FLUX's VAE (SD3.5's shape, its own scaling and shift), T5-XXL's 512
+    tokens and CLIP-L's pooled 768, PickScore's CLIP-H; bf16, LoRA r64 on the recipe's 12
+    targets, gradient checkpointing (about 14 GB of activations a sample without it, beside 24 GB
+    of bf16 weights)."""
+    from hpcnft.rewards.clip_l import VIT_L_14
+    from hpcnft.rewards.hpsv2 import VIT_H_14
+
+    return Shapes(
+        name="flux1dev", recipe="flux1dev_pickscore",
+        dit=dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                 axes_dims_rope=(16, 56, 56)),
+        vae=dict(SD35_VAE, scaling_factor=0.3611, shift_factor=0.1159), clip_text=dict(PICKSCORE_TEXT),
+        clip_vision=dict(PICKSCORE_VISION), clip_projection=1024, size=512, t5_tokens=512, prompts=8, per_prompt=8,
+        num_steps=10, rollout_batches=(4, 8), micro_batches=(2, 4), ceiling_n=8192, lora_rank=64, lora_alpha=128,
+        warm=1, reps=3, hpsv2_arch=VIT_H_14, clip_l=VIT_L_14, family="flux", precision="bf16",
+        grad_checkpointing=True, lora_targets=tuple(FLUX_LORA_TARGETS), scheduler=dict(FLUX_SCHEDULER))
 
 
 def tiny_shapes() -> Shapes:
@@ -85,17 +156,33 @@ def tiny_shapes() -> Shapes:
         clip_l=TINY_CLIP_L)
 
 
-SHAPES = {"sd35m": sd35m_shapes, "tiny": tiny_shapes}
+def tiny_flux_shapes() -> Shapes:
+    """The tiny FLUX.1-dev (hpcnft.models.tiny_flux) at the tiny shapes: the FLUX paths on a CPU."""
+    from hpcnft.models.tiny_flux import TINY_FLUX_SCHEDULER, TINY_FLUX_TRANSFORMER, TINY_FLUX_VAE
+
+    S = tiny_shapes()
+    return dataclasses.replace(S, name="tiny_flux", recipe="tiny_flux", dit=dict(TINY_FLUX_TRANSFORMER),
+                               vae=dict(TINY_FLUX_VAE), family="flux", precision="bf16",
+                               lora_targets=tuple(FLUX_LORA_TARGETS), scheduler=dict(TINY_FLUX_SCHEDULER))
+
+
+SHAPES = {"sd35m": sd35m_shapes, "sd35l": sd35l_shapes, "flux1dev": flux1dev_shapes, "tiny": tiny_shapes,
+          "tiny_flux": tiny_flux_shapes}
+# What each needs: the real shapes a CUDA device, the tiny ones run on a CPU
+REAL_SHAPES = ("sd35m", "sd35l", "flux1dev")
 
 
 # -- random-weight models -------------------------------------------------------------------
 def build_dit(S: Shapes, dev):
+    """The family's DiT at the shapes, random weights (fp32) on `dev`."""
     torch = _torch()
-    from diffusers import SD3Transformer2DModel
+    import diffusers
+
+    from hpcnft.models.families import family_named
 
     torch.manual_seed(0)
     with torch.device(dev):
-        return SD3Transformer2DModel(**S.dit)
+        return getattr(diffusers, family_named(S.family).transformer_class)(**S.dit)
 
 
 def build_vae(S: Shapes, dev):
@@ -135,10 +222,11 @@ def clip_processor():
     return _PROCESSOR[0]
 
 
-def scheduler():
+def scheduler(S: Shapes | None = None):
+    """The flow-matching scheduler of the shapes' family (SD3's without shapes)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return FlowMatchEulerDiscreteScheduler(**(S.scheduler if S is not None else SD3_SCHEDULER))
 
 
 def prompt_list(n: int) -> list[str]:
@@ -164,22 +252,28 @@ def smooth_images(S: Shapes, n: int):
 
 # -- what the Learner needs around the models ------------------------------------------------------
 class _Pipe:
-    """What the Learner uses of a StableDiffusion3Pipeline: the scheduler, the VAE, the DiT's config
-    and encode_prompt (here: a fixed random embedding per prompt at the real text shapes)."""
+    """What the Learner uses of a StableDiffusion3Pipeline or FluxPipeline: the scheduler, the VAE,
+    the DiT and encode_prompt (here: a fixed random embedding per prompt at the real text shapes,
+    returned as the family's pipeline returns it)."""
 
     def __init__(self, transformer, vae, S: Shapes, dtype, device):
-        self.transformer, self.vae, self.scheduler = transformer, vae, scheduler()
+        self.transformer, self.vae, self.scheduler = transformer, vae, scheduler(S)
         self.S, self.dtype, self.device = S, dtype, device
 
-    def encode_prompt(self, prompt, prompt_2=None, prompt_3=None, device=None, do_classifier_free_guidance=False,
-                      max_sequence_length=256, **_):
+    def encode_prompt(self, prompt, *_, device=None, max_sequence_length=256, **__):
         torch = _torch()
         from hpcnft.common.determinism import stable_hash
+        from hpcnft.models.families import family_named
 
         g = torch.Generator().manual_seed(stable_hash("bench_prompt", prompt))
-        pe = torch.randn(1, CLIP_TOKENS + max_sequence_length, self.S.dit["joint_attention_dim"], generator=g)
-        pooled = torch.randn(1, self.S.dit["pooled_projection_dim"], generator=g)
-        return pe.to(device or self.device, self.dtype), None, pooled.to(device or self.device, self.dtype), None
+        tokens = family_named(self.S.family).prompt_tokens(max_sequence_length)
+        pe = torch.randn(1, tokens, self.S.dit["joint_attention_dim"], generator=g)
+        pooled = torch.randn(1, self.S.pooled_width, generator=g)
+        dev = device or self.device
+        pe, pooled = pe.to(dev, self.dtype), pooled.to(dev, self.dtype)
+        if self.S.family == "flux":  # FluxPipeline.encode_prompt: (embeddings, pooled, text ids)
+            return pe, pooled, torch.zeros(max_sequence_length, 3, device=dev, dtype=self.dtype)
+        return pe, None, pooled, None
 
 
 _MESH = []

@@ -12,8 +12,8 @@ from hpcnft.common.errors import UsageError
 def _toml(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
+    if isinstance(v, (str, list, tuple)):
+        return json.dumps(list(v) if isinstance(v, tuple) else v)
     return str(v)
 
 
@@ -41,18 +41,21 @@ def fp32_arithmetic(module):
 
 
 def bench_config(S: Shapes, dev, overrides: dict):
-    """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides."""
+    """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides.
+    The shapes set the precision on a GPU (fp32 on a CPU), checkpointing and the LoRA targets, as
+    the eager stack uses them."""
     from hpcnft.common.config import ConfigError, load_config
 
     base = {
         "rollout.height": S.size, "rollout.width": S.size, "rollout.prompts_per_step": S.prompts,
         "rollout.samples_per_prompt": S.per_prompt, "rollout.num_steps": S.num_steps,
         "rollout.max_sequence_length": S.t5_tokens, "rollout.batch_size": max(S.rollout_batches),
-        "train.micro_batch": max(S.micro_batches), "train.grad_checkpointing": False,
-        "train.precision": "fp16" if dev.type == "cuda" else "fp32",
-        "train.lora_rank": S.lora_rank, "train.lora_alpha": S.lora_alpha,
+        "train.micro_batch": max(S.micro_batches), "train.grad_checkpointing": S.grad_checkpointing,
+        "train.precision": S.precision if dev.type == "cuda" else "fp32",
+        "train.lora_rank": S.lora_rank, "train.lora_alpha": S.lora_alpha, "train.lora_targets": list(S.lora_targets),
         "layout.train_ranks": 1, "layout.reward_ranks": 0, "layout.device": dev.type,
-        "determinism.enabled": False, "models.sd3_dir": "", "models.pickscore_dir": "",
+        "determinism.enabled": False, "models.family": S.family, "models.sd3_dir": "", "models.flux_dir": "",
+        "models.pickscore_dir": "",
         "models.pickscore_processor_dir": "", "data.train_prompts": "builtin:tiny_train_prompts.txt",
         "data.eval_prompts": "builtin:tiny_eval_prompts.txt", "steps": 1000,
     }
@@ -85,14 +88,15 @@ class HpcnftStack:
     @property
     def policy(self):
         if self._policy is None:
-            from hpcnft.algo.sampler import sigma_grid
             from hpcnft.algo.policy import Policy
             from hpcnft.algo.trainer import Trainer
+            from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
             self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
             self.trainer = Trainer(self.cfg, self._policy, None, 1)
-            self.sigmas = sigma_grid(scheduler(), self.cfg.rollout.num_steps)
+            self.sigmas = family_named(self.S.family).sigma_grid(scheduler(self.S), self.cfg.rollout.num_steps,
+                                                                 self.S.latent_shape)
         return self._policy
 
     @property
@@ -136,17 +140,18 @@ class HpcnftStack:
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
         pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g).to(self.dtype)
-        pooled = torch.randn(n, self.S.dit["pooled_projection_dim"], generator=g).to(self.dtype)
+        pooled = torch.randn(n, self.S.pooled_width, generator=g).to(self.dtype)
         return pe, pooled
 
     def _latent(self, n: int, seed: int = 0):
+        """Unpacked VAE latents, as the sampler and the NFT loss hold them (FLUX's too)."""
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
-        h = self.S.size // 8
-        return torch.randn(n, self.S.dit["in_channels"], h, h, generator=g)
+        return torch.randn(n, *self.S.latent_shape, generator=g)
 
     def rollout_forward(self, b: int):
-        """One DiT forward of the rollout: sampler.velocity under the old weights and autocast."""
+        """One DiT forward of the rollout: sampler.velocity under the old weights and autocast (with
+        the rollout's guidance value, which FLUX.1-dev's DiT embeds)."""
         torch = _torch()
         from hpcnft.algo.sampler import velocity
 
@@ -157,7 +162,8 @@ class HpcnftStack:
 
         def fn():
             with torch.no_grad(), policy.autocast():
-                velocity(policy.transformer, x, s, pe, pooled, policy.compute_dtype)
+                velocity(policy.transformer, x, s, pe, pooled, policy.compute_dtype,
+                         guidance=self.cfg.rollout.guidance_scale)
         return fn, policy.rollout_weights
 
     def vae_decode(self, b: int):
@@ -214,7 +220,7 @@ class HpcnftStack:
             with policy.old_weights("perf.rollout_fp8" if fp8 else None):  # rollout_weights, both ways
                 with torch.no_grad(), policy.autocast():
                     v = velocity(policy.transformer, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled,
-                                 policy.compute_dtype).float()
+                                 policy.compute_dtype, guidance=cfg.rollout.guidance_scale).float()
                 x0 = euler_sample(policy.transformer, noise, self.sigmas, Conditioning(pe, pooled),
                                   cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast)
             images = decode_to_uint8(self.vae, x0, cfg.rollout.uint8_rounding)
@@ -267,7 +273,8 @@ class HpcnftStack:
                     if how == "fp32":
                         with fp32_arithmetic(policy.transformer):
                             v_old = velocity(policy.transformer, m.x_sigma, m.sigma, batch.prompt_embeds[m.index],
-                                             batch.pooled[m.index], torch.float32).float()
+                                             batch.pooled[m.index], torch.float32,
+                                             guidance=cfg.rollout.guidance_scale).float()
                     else:
                         v_old = trainer.forward(m.x_sigma, m.sigma, batch, m.index).float()
                 for p in policy.trainable:

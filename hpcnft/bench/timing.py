@@ -13,9 +13,31 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _reset_peak_rss() -> bool:
+    """Linux: make the process's peak resident set size its current one (clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_gib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return None
+
+
 def measure(fn, dev, warm: int, reps: int) -> dict:
     """Median seconds of `fn` after `warm` calls (CUDA events on a GPU), and the peak memory
-    allocated during the timed calls."""
+    during the timed calls: on a GPU what the caching allocator handed out (`peak_gib`), on a
+    CPU (Linux) the process's peak resident set (`peak_rss_gib`: Python and the libraries too)."""
     torch = _torch()
     from hpcnft.perf.mfu import time_calls
 
@@ -23,12 +45,17 @@ def measure(fn, dev, warm: int, reps: int) -> dict:
         fn()
     sync(dev)
     cuda = dev.type == "cuda"
+    rss = False
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        rss = _reset_peak_rss()
     times = time_calls(fn, dev, reps)
     out = {"s": statistics.median(times), "runs_s": [round(t, 6) for t in times], "warm": warm}
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    elif rss and (peak := _peak_rss_gib()) is not None:
+        out["peak_rss_gib"] = peak
     return out
 
 

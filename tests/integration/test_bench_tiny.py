@@ -77,10 +77,95 @@ def test_bench_tiny_profile_writes_tables_and_a_summary(tmp_path):
     assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::linear") for o in summary["rollout_forward"]["top_ops"])
 
 
-def test_bench_real_shapes_without_cuda_is_one_line_usage_error():
-    r = hpcnft("bench", "--shapes", "sd35m", env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+@pytest.mark.parametrize("shapes", ["sd35m", "sd35l", "flux1dev"])
+def test_bench_real_shapes_without_cuda_is_one_line_usage_error(shapes):
+    r = hpcnft("bench", "--shapes", shapes, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2
-    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "CUDA" in r.stderr and shapes in r.stderr, r.stderr
+
+
+def test_bench_help_lists_every_shapes():
+    r = hpcnft("bench", "--help", timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in ("sd35m", "sd35l", "flux1dev", "tiny", "tiny_flux"):
+        assert name in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_bench_tiny_flux_runs_the_plain_and_the_package_stacks(tmp_path):
+    """The FLUX paths of both stacks on a CPU: the plain FluxPipeline-style diffusers + peft
+    stack and the package's (FLUX family, its levers) at the tiny FLUX.1-dev's shapes."""
+    from hpcnft.common.validation import SD3_ONLY_LEVERS
+
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny_flux", "--baseline", "--no-default", "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["shapes"] == "tiny_flux" and not doc["errors"] and not doc["skipped"], doc
+    stacks = doc["stacks"]
+    assert set(stacks) == {"eager", "hpcnft_fast"}
+    assert set(stacks["eager"]["phases"]) == {"rollout_fwd_b4", "rollout_fwd_b8", "vae_decode", "pickscore",
+                                              "train_pair_mb4", "train_pair_mb8", "iteration"}
+    assert set(stacks["hpcnft_fast"]["phases"]) == {"rollout_fwd_b8", "vae_decode", "pickscore", "train_pair_mb8",
+                                                    "iteration"}
+    for key, rec in stacks.items():
+        for name, m in rec["phases"].items():
+            assert m["s"] > 0 and m["per_unit_s"] > 0 and m["peak_rss_gib"] > 0, (key, name, m)
+            if name != "iteration":
+                assert m["flops"] > 0 and m["mfu"] > 0, (key, name, m)
+            if key != "eager":
+                assert m["speedup_vs_eager"] > 0, (key, name, m)
+    eager = stacks["eager"]["config"]
+    assert eager["family"] == "flux" and eager["guidance"] == 3.5 and len(eager["lora_targets"]) == 12
+    fast = stacks["hpcnft_fast"]["config"]["overrides"]
+    assert not set(fast) & {f"perf.{k}" for k in SD3_ONLY_LEVERS} and fast["perf.merge_lora_nograd"]
+    # the same DiT work in both rollouts: the plain base forward, and the package's with LoRA merged
+    flops = {key: rec["phases"]["rollout_fwd_b8"]["flops"] for key, rec in stacks.items()}
+    assert flops["eager"] == flops["hpcnft_fast"], flops
+    it = stacks["hpcnft_fast"]["phases"]["iteration"]
+    assert it["flops"] > 0 and it["metrics"]["perf/iteration_s"] > 0 and it["metrics"]["train/nft_loss"] > 0
+    assert "| iteration |" in r.stdout and "fast vs eager" in r.stdout
+
+
+@pytest.mark.slow
+def test_bench_frees_each_stacks_dit_before_the_next(tmp_path):
+    """After Bench.free nothing holds a stack's DiT (its Policy, Learner, compiled graphs), so the
+    next stack of the real shapes never meets the last one's weights."""
+    import types
+    import weakref
+
+    import torch
+
+    from hpcnft.bench.eager import EagerStack
+    from hpcnft.bench.levers import fast_overrides
+    from hpcnft.bench.run import Bench
+    from hpcnft.bench.shapes import _MESH, SHAPES
+    from hpcnft.bench.stack import HpcnftStack
+
+    dev = torch.device("cpu")
+    S = SHAPES["tiny_flux"]()
+    bench = Bench(types.SimpleNamespace(argv=[], budget_s=None, json=None), S, dev)
+
+    def exercise(stack) -> weakref.ref:
+        fn, ctx = stack.rollout_forward(4)[:2]
+        with ctx():
+            fn()
+        fn, ctx = stack.train_pairs(4)[:2]
+        with ctx():
+            fn()
+        stack.iteration()[0]()
+        return weakref.ref(stack.dit if isinstance(stack, EagerStack) else stack.policy.transformer)
+
+    try:
+        for stack in (EagerStack(S, dev), HpcnftStack("hpcnft_fast", "fast", S, dev, fast_overrides(S, dev, []))):
+            dit = exercise(stack)
+            bench.free(stack)
+            assert dit() is None, stack.key
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        _MESH.clear()
 
 
 def test_bench_bad_lever_is_usage_error():

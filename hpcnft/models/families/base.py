@@ -63,6 +63,10 @@ class Family:
         """(encoder name, tokenizer, tokens it keeps) for every text encoder."""
         raise NotImplementedError
 
+    def prompt_tokens(self, max_sequence_length: int) -> int:
+        """The length L of encode_prompt's token embeddings [1, L, D] at this T5 length."""
+        raise NotImplementedError
+
     # -- latents, time and the DiT ---------------------------------------------------------
     def latent_shape(self, pipe, height: int, width: int) -> tuple[int, int, int]:
         """The VAE latent [C, h, w] of an image, the space the sampler and the NFT loss work in."""

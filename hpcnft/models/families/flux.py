@@ -71,6 +71,9 @@ class FluxFamily(Family):
             limits.append(("T5", pipe.tokenizer_2, max_sequence_length))
         return limits
 
+    def prompt_tokens(self, max_sequence_length):
+        return max_sequence_length  # T5 alone: CLIP-L gives the pooled embedding only
+
     def sigma_grid(self, scheduler, num_steps, latent_shape):
         """FluxPipeline's: linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift

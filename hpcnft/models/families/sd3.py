@@ -9,6 +9,8 @@ from hpcnft.models.families.base import Family
 from hpcnft.models.folders import SD3_REQUIRED
 from hpcnft.models.tiny_cache import SD3_DIRNAME
 
+CLIP_TOKENS = 77  # the CLIP encoders' padded length (pipe.tokenizer_max_length)
+
 
 def dit_timestep(sigma: torch.Tensor, integer: bool = False) -> torch.Tensor:
     """SD3's DiT embeds time on the 0-1000 scale: tau = 1000 sigma in float32. With `integer`
@@ -46,6 +48,9 @@ class SD3Family(Family):
         if getattr(pipe, "text_encoder_3", None) is not None and pipe.tokenizer_3 is not None:
             limits.append(("T5", pipe.tokenizer_3, max_sequence_length))
         return limits
+
+    def prompt_tokens(self, max_sequence_length):
+        return CLIP_TOKENS + max_sequence_length  # CLIP-L and CLIP-G side by side (77), then T5
 
     def sigma_grid(self, scheduler, num_steps, latent_shape):
         # A fresh scheduler from the same config keeps the shared one's state untouched.

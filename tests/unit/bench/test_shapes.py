@@ -1,0 +1,108 @@
+"""hpcnft bench's shapes beside SD3.5-M: SD3.5-Large and FLUX.1-dev at their real sizes (built on
+the meta device, nothing allocated), their configs, and the tiny FLUX's plain stack against the
+package's FLUX family (CPU)."""
+import pytest
+import torch
+
+from hpcnft.bench.levers import expand_levers, fast_overrides
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit
+from hpcnft.bench.stack import bench_config
+from hpcnft.common.config import load_config
+from hpcnft.common.errors import UsageError
+from hpcnft.common.validation import SD3_ONLY_LEVERS
+
+CUDA = torch.device("cuda")  # a device name only: the configs are made without a GPU
+CPU = torch.device("cpu")
+
+
+def _params(name: str) -> int:
+    dit = build_dit(SHAPES[name](), torch.device("meta"))
+    return sum(p.numel() for p in dit.parameters())
+
+
+@pytest.mark.parametrize("name,cls,low,high", [
+    ("sd35m", "SD3Transformer2DModel", 2.24e9, 2.25e9),  # 2,243,171,520
+    ("sd35l", "SD3Transformer2DModel", 8.05e9, 8.06e9),  # 8,056,627,520
+    ("flux1dev", "FluxTransformer2DModel", 11.90e9, 11.91e9),  # 11,901,408,320
+])
+def test_real_shape_dits_have_the_published_sizes(name, cls, low, high):
+    assert type(build_dit(SHAPES[name](), torch.device("meta"))).__name__ == cls
+    assert low <= _params(name) <= high
+
+
+def test_every_shapes_has_a_recipe_of_its_family_and_its_lora_targets():
+    for name, make in SHAPES.items():
+        S = make()
+        recipe = load_config(S.recipe)
+        assert recipe.models.family == S.family, name
+        assert list(S.lora_targets) == recipe.train.lora_targets, name  # the recipe's LoRA, in both stacks
+    assert set(REAL_SHAPES) == {"sd35m", "sd35l", "flux1dev"}
+
+
+def test_text_and_latent_shapes_follow_the_family():
+    sd35l, flux, tiny_flux = SHAPES["sd35l"](), SHAPES["flux1dev"](), SHAPES["tiny_flux"]()
+    assert sd35l.text_tokens == 77 + 256 and sd35l.pooled_width == 2048  # CLIP-L/G + T5; CLIP-L + CLIP-G pooled
+    assert flux.text_tokens == 512 and flux.pooled_width == 768  # T5 alone; CLIP-L pooled
+    assert tiny_flux.text_tokens == tiny_flux.t5_tokens
+    for S in (sd35l, flux):
+        assert S.latent_shape == (16, 64, 64)  # 512 px through the 8x VAE
+    # FLUX packs 2x2 latent patches into its tokens; its rotary axes split one head
+    for S in (flux, tiny_flux):
+        assert S.dit["in_channels"] == 4 * S.vae["latent_channels"]
+        assert sum(S.dit["axes_dims_rope"]) == S.dit["attention_head_dim"]
+    assert (flux.vae["scaling_factor"], flux.vae["shift_factor"]) == (0.3611, 0.1159)
+    assert flux.scheduler["use_dynamic_shifting"] and not sd35l.scheduler.get("use_dynamic_shifting", False)
+
+
+def test_flux1dev_configs_are_bf16_lora_r64_with_checkpointing_and_no_sd3_levers():
+    S = SHAPES["flux1dev"]()
+    fast_over = fast_overrides(S, CUDA, [])
+    assert not set(fast_over) & {f"perf.{k}" for k in SD3_ONLY_LEVERS}
+    for over in ({}, fast_over):
+        cfg = bench_config(S, CUDA, over)
+        assert cfg.models.family == "flux" and cfg.train.precision == "bf16" and cfg.train.grad_checkpointing
+        assert (cfg.train.lora_rank, cfg.train.lora_alpha, len(cfg.train.lora_targets)) == (64, 128, 12)
+        assert (cfg.rollout.max_sequence_length, cfg.rollout.guidance_scale) == (512, 3.5)
+        assert not any(getattr(cfg.perf, k) for k in SD3_ONLY_LEVERS)
+    fast = bench_config(S, CUDA, fast_over)
+    assert (fast.rollout.batch_size, fast.train.micro_batch, fast.perf.old_pass_batch) == (8, 4, 8)
+    assert fast.perf.compile_blocks and fast.perf.merge_lora_nograd and fast.perf.skip_single_rank_fsdp
+    assert fast.perf.vae_dtype == "bf16"  # FLUX's VAE in its DiT's dtype, as the plain stack runs it
+    # the lever sweep leaves out what FLUX cannot take; asking for it is a usage error
+    sweep = expand_levers(["all"], CUDA, S)
+    assert sweep and not any(set(lever) & {f"perf.{k}" for k in SD3_ONLY_LEVERS} for lever in sweep)
+    with pytest.raises(UsageError, match="fuse_qkv"):
+        bench_config(S, CUDA, fast_overrides(S, CUDA, ["perf.fuse_qkv=true"]))
+
+
+def test_sd35l_configs_are_fp16_at_its_batch_sizes_with_every_fast_lever():
+    S = SHAPES["sd35l"]()
+    cfg = bench_config(S, CUDA, fast_overrides(S, CUDA, []))
+    assert cfg.models.family == "sd3" and cfg.train.precision == "fp16" and not cfg.train.grad_checkpointing
+    assert (cfg.rollout.batch_size, cfg.train.micro_batch) == (max(S.rollout_batches), max(S.micro_batches))
+    assert 2 in S.micro_batches  # the recipe's micro-batch
+    assert cfg.perf.fuse_qkv and cfg.perf.fused_lora  # SD3's own levers apply to SD3.5-L
+    assert bench_config(S, CPU, {}).train.precision == "fp32"
+
+
+def test_tiny_flux_plain_stack_calls_the_dit_as_the_flux_family_does():
+    """The eager stack's FluxPipeline-style call (packed latents, ids, guidance, time as sigma)
+    and sigma grid against hpcnft's FLUX family, on the same weights."""
+    from hpcnft.algo.sampler import velocity
+    from hpcnft.bench.eager import EagerStack
+    from hpcnft.bench.shapes import scheduler
+    from hpcnft.models.families import FLUX
+
+    S = SHAPES["tiny_flux"]()
+    eager = EagerStack(S, CPU)
+    dit = eager.dit
+    eager.dit.disable_adapters()  # B = 0 anyway; the base model, as the rollout
+    torch.testing.assert_close(eager.sigmas, FLUX.sigma_grid(scheduler(S), S.num_steps, S.latent_shape))
+    x = eager._latent(3, seed=1)
+    pe, pooled = eager._cond(3, seed=2)
+    sigma = eager.sigmas[[1, 4, 7]]
+    with torch.no_grad():
+        mine = eager._velocity(x, sigma, pe, pooled)
+        theirs = velocity(dit, x, sigma, pe, pooled, torch.float32, guidance=3.5)
+    assert mine.shape == x.shape
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
