@@ -69,6 +69,7 @@ class Policy:
         if cfg.grad_checkpointing:
             tr.enable_gradient_checkpointing()
         tr.to(self.device)
+        family_of(tr).prepare_dit(tr)
         if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
             return
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear

@@ -28,7 +28,7 @@ class EagerStack:
         self.mb = max(S.micro_batches)
         self.rollout_batch = max(S.rollout_batches)
         self.config = {"dtype": str(self.dtype), "rollout_batch": self.rollout_batch, "micro_batch": self.mb,
-                       "attention": "default SDPA", "tf32": dev.type == "cuda", "family": S.family,
+                       "attention": "default SDPA" if S.family != "flux" else "default SDPA without cuDNN", "tf32": dev.type == "cuda", "family": S.family,
                        "lora_targets": list(S.lora_targets), "grad_checkpointing": S.grad_checkpointing}
         if self.flux:
             self.config["guidance"] = FLUX_GUIDANCE
@@ -53,6 +53,10 @@ class EagerStack:
                     p.requires_grad_(True)
             if self.S.grad_checkpointing:
                 dit.enable_gradient_checkpointing()
+            if self.flux:  # what a plain user must do too: cuDNN's SDPA backward fails at FLUX's shapes
+                from hpcnft.models.families.flux import avoid_cudnn_attention
+
+                avoid_cudnn_attention(dit)
             self.lora = [p for p in dit.parameters() if p.requires_grad]
             self.opt = torch.optim.AdamW(self.lora, lr=3e-4, weight_decay=1e-4)
             self._dit = dit

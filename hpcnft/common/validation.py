@@ -116,6 +116,9 @@ def validate(cfg) -> None:
             if getattr(cfg.perf, lever):
                 raise ConfigError(f"perf.{lever}: works on SD3's blocks only, not with models.family="
                                   f"{cfg.models.family!r}")
+    if cfg.models.family == "flux" and cfg.perf.attention_backend == "cudnn":
+        raise ConfigError("perf.attention_backend: cuDNN's attention backward fails at FLUX.1's shapes "
+                          "(models.family=\"flux\"); use flash, efficient or default")
     if cfg.models.family == "flux" and r.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH:
         raise ConfigError(f"rollout.max_sequence_length: FLUX's T5 takes at most {FLUX_MAX_SEQUENCE_LENGTH} tokens, "
                           f"got {r.max_sequence_length}")

@@ -82,6 +82,9 @@ class Family:
         """The DiT's velocity at latents x [B, C, h, w] and flow time sigma [B], shaped like x."""
         raise NotImplementedError
 
+    def prepare_dit(self, transformer) -> None:
+        """Process-wide settings the family's DiT needs on its device (called once it is there)."""
+
     def fsdp_blocks(self, transformer) -> list[torch.nn.Module]:
         """The DiT's repeated blocks, each its own FSDP2 unit."""
         raise NotImplementedError

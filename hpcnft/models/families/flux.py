@@ -41,6 +41,16 @@ def image_seq_len(latent_shape: tuple[int, int, int]) -> int:
     return (h // 2) * (w // 2)
 
 
+def avoid_cudnn_attention(transformer) -> None:
+    """On CUDA, SDPA without its cuDNN backend, process-wide. cuDNN's attention backward at FLUX.1's
+    shapes (24 heads of 128, 1,024 image + 512 text tokens, bf16) fails on an H200 with torch 2.11
+    and cuDNN 9.19 (an illegal memory access, or a failed cuBLAS GEMM right after it); flash and
+    memory-efficient attention pass. Process-wide because gradient checkpointing recomputes the
+    forward inside backward(), outside any context the forward could set."""
+    if next(transformer.parameters()).is_cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class FluxFamily(Family):
     name = "flux"
     dir_key = "models.flux_dir"
@@ -108,6 +118,9 @@ class FluxFamily(Family):
                           pooled_projections=pooled.to(dtype), encoder_hidden_states=prompt_embeds.to(dtype),
                           txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return unpack(out, h, w)
+
+    def prepare_dit(self, transformer) -> None:
+        avoid_cudnn_attention(transformer)
 
     def fsdp_blocks(self, transformer):
         return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]

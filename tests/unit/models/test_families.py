@@ -116,3 +116,9 @@ def test_flux_takes_at_most_512_t5_tokens():
 def test_an_unknown_family_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="models.family: 'sdxl' is not one of sd3, flux"):
         load_config("tiny", ["models.family=sdxl"])
+
+
+def test_cudnn_attention_is_refused_for_flux():
+    with pytest.raises(ConfigError, match="perf.attention_backend: cuDNN's attention backward fails at FLUX.1's"):
+        load_config("tiny_flux", ["perf.attention_backend=cudnn"])
+    assert load_config("tiny_flux", ["perf.attention_backend=flash"]).perf.attention_backend == "flash"
