@@ -39,3 +39,17 @@ def test_flux_euler_matches_fluxpipeline_on_cuda(tmp_path):
     theirs = pipe(prompt_embeds=cond.prompt_embeds, pooled_prompt_embeds=cond.pooled, latents=pack(noise),
                   guidance_scale=3.5, num_inference_steps=10, height=128, width=128, output_type="latent").images
     assert torch.equal(ours, unpack(theirs, *shape[1:]))
+
+
+def test_a_flux_dit_on_cuda_turns_cudnn_attention_off(tmp_path):
+    from hpcnft.models.families import FLUX
+    from hpcnft.models.tiny_flux import build_tiny_flux
+
+    (tmp_path / "flux").mkdir()
+    pipe = FLUX.load(build_tiny_flux(str(tmp_path / "flux")), torch.float32, torch.device("cuda"))
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        FLUX.prepare_dit(pipe.transformer)  # as the Policy does once the DiT is on its device
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
