@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import assert_same_metrics, hpcnft, preempt_during
+from jobs import assert_same_metrics, assert_step_one_agrees, hpcnft, preempt_during
 from hpcnft.io.runfile import read_rng, read_run
 
 pytestmark = pytest.mark.slow
@@ -29,6 +29,16 @@ def test_the_run_file_names_the_flux_family(uninterrupted):
     assert run.config["models"]["family"] == "flux"
     assert run.topology["world_size"] == 3
     assert run.metrics["train/nft_loss"][:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_fsdp2_over_two_ranks_trains_as_one_unsharded_dit(uninterrupted, tmp_path):
+    """FSDP2 warns that FLUX's blocks return views (an in-place op on one would skip the
+    all-gather); diffusers' FLUX forward uses them out of place. Shown here: the 2+1 job's step 1
+    against one train rank holding the plain, unwrapped DiT (perf.skip_single_rank_fsdp)."""
+    plain = str(tmp_path / "plain")
+    hpcnft("run", "tiny_flux", "--steps", "1", "--run-dir", plain, "--set", "layout.train_ranks=1",
+           "--set", "perf.skip_single_rank_fsdp=true")
+    assert_step_one_agrees(uninterrupted, plain)
 
 
 def test_same_command_twice_is_bit_identical(uninterrupted, tmp_path):
