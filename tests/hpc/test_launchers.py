@@ -655,7 +655,7 @@ def test_tiny_models_built_by_a_nonzero_rank(slurm_cluster, hpcnft_cache, tmp_pa
     """What happens on a fresh HPCNFT_CACHE under srun, sbatch, mpirun, torchrun or hpcnft submit
     whenever the rank that takes the cache's build lock is not rank 0. Made deterministic here:
     rank 0 sees the session's (complete) cache, ranks 1 and 2 a fresh one, which they build."""
-    from hpcnft.models.loading import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
+    from hpcnft.models.folders import PICKSCORE_REQUIRED, SD3_REQUIRED, check_folder
 
     fresh, run_dir = tmp_path / "fresh-cache", tmp_path / "run"
     wrapper = ('[ "$SLURM_PROCID" = 0 ] || export HPCNFT_CACHE="$FRESH_CACHE"; exec "$@"')

@@ -211,7 +211,7 @@ def test_tiny_models_build_byte_identical_twice(tmp_path):
 
 
 def test_tiny_folders_pass_the_preflight_checks(tiny_models):
-    from hpcnft.models.loading import PROCESSOR_REQUIRED
+    from hpcnft.models.folders import PROCESSOR_REQUIRED
 
     sd3, ps = tiny_models
     check_folder("models.sd3_dir", sd3, SD3_REQUIRED)
