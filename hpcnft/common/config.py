@@ -21,9 +21,8 @@ from hpcnft.common.validation import flatten, validate
 
 @dataclass
 class ModelsConfig:
-    # The base model's family: "sd3" (SD3.5-Medium and -Large, from sd3_dir) or "flux" (FLUX.1-dev,
-    # from flux_dir). Empty sd3_dir / flux_dir / pickscore_dir mean "the tiny models", built into
-    # tiny_cache on first use.
+    # The base model: "sd3" (SD3.5-M/-L, sd3_dir) or "flux" (FLUX.1-dev, flux_dir). An empty
+    # folder means the tiny model, built into tiny_cache on first use.
     family: str = "sd3"
     sd3_dir: str = ""
     flux_dir: str = ""
