@@ -28,7 +28,8 @@ class EagerStack:
         self.mb = max(S.micro_batches)
         self.rollout_batch = max(S.rollout_batches)
         self.config = {"dtype": str(self.dtype), "rollout_batch": self.rollout_batch, "micro_batch": self.mb,
-                       "attention": "default SDPA" if S.family != "flux" else "default SDPA without cuDNN", "tf32": dev.type == "cuda", "family": S.family,
+                       "attention": "default SDPA without cuDNN" if self.flux else "default SDPA",
+                       "tf32": dev.type == "cuda", "family": S.family,
                        "lora_targets": list(S.lora_targets), "grad_checkpointing": S.grad_checkpointing}
         if self.flux:
             self.config["guidance"] = FLUX_GUIDANCE

@@ -15,8 +15,7 @@ SEEDS = {"hpsv2": 5, "clipscore": 6, "aesthetic": 7}
 def hpsv2_tokenizer():
     from transformers import CLIPTokenizer
 
-    from hpcnft.models.tiny_cache import cache_dir
-    from hpcnft.rewards.base import ensure_tiny
+    from hpcnft.models.tiny_cache import cache_dir, ensure_tiny
     from hpcnft.rewards.hpsv2 import TINY_DIRNAME, build_tiny_hpsv2
 
     return CLIPTokenizer.from_pretrained(ensure_tiny(cache_dir(), TINY_DIRNAME, build_tiny_hpsv2),
@@ -26,8 +25,7 @@ def hpsv2_tokenizer():
 def clip_l_processor():
     from transformers import CLIPProcessor
 
-    from hpcnft.models.tiny_cache import cache_dir
-    from hpcnft.rewards.base import ensure_tiny
+    from hpcnft.models.tiny_cache import cache_dir, ensure_tiny
     from hpcnft.rewards.clip_l import CLIP_L_TINY, build_tiny_clip_l
 
     return CLIPProcessor.from_pretrained(ensure_tiny(cache_dir(), CLIP_L_TINY, build_tiny_clip_l),

@@ -13,7 +13,7 @@ from hpcnft.common.config import Config
 from hpcnft.common.errors import one_line
 from hpcnft.models.families import Family, family_named
 from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
-from hpcnft.models.tiny_cache import cache_dir, ensure_tiny
+from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache, tiny_models_used
 
 
 @dataclass
@@ -27,23 +27,19 @@ def base_family(cfg: Config) -> Family:
     return family_named(cfg.models.family)
 
 
-def _tiny_cache(cfg: Config) -> str:
-    return cfg.models.tiny_cache or cache_dir()
-
-
-def resolve_model_paths(cfg: Config, build_tiny: bool = True) -> ModelPaths:
+def resolve_model_paths(cfg: Config) -> ModelPaths:
     """Model folders from the config; the tiny models (built on first use) where a path is empty."""
     family, m = base_family(cfg), cfg.models
     base, ps = family.model_dir(m), m.pickscore_dir
-    cache = _tiny_cache(cfg)
-    if build_tiny and (not ps or (not base and family.name == "sd3")):
+    sd3_and_pickscore, flux = tiny_models_used(cfg)
+    if sd3_and_pickscore:
         from hpcnft.models.tiny import ensure_tiny_models
 
-        tiny_sd3, tiny_ps = ensure_tiny_models(cache)  # the tiny SD3.5 and PickScore, built together
+        tiny_sd3, tiny_ps = ensure_tiny_models(tiny_cache(cfg))
         base = base or (tiny_sd3 if family.name == "sd3" else "")
         ps = ps or tiny_ps
-    if build_tiny and not base:
-        base = ensure_tiny(cache, family.tiny_dirname, family.build_tiny)
+    if flux:
+        base = ensure_tiny(tiny_cache(cfg), family.tiny_dirname, family.build_tiny)
     return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 
 

@@ -18,6 +18,19 @@ def cache_dir() -> str:
     return os.path.join(base, "tiny-models")
 
 
+def tiny_cache(cfg) -> str:
+    """Where this config's tiny models are built: models.tiny_cache, else the default cache."""
+    return cfg.models.tiny_cache or cache_dir()
+
+
+def tiny_models_used(cfg) -> tuple[bool, bool]:
+    """Which tiny base models a config uses: (the tiny SD3.5 and PickScore, built together; the
+    tiny FLUX.1-dev), where the folder the config names is empty."""
+    m = cfg.models
+    base = m.sd3_dir if m.family == "sd3" else m.flux_dir
+    return not m.pickscore_dir or (m.family == "sd3" and not base), m.family == "flux" and not base
+
+
 def built(path: str) -> bool:
     return os.path.exists(os.path.join(path, DONE_MARKER))
 

@@ -18,7 +18,8 @@ from torch import nn
 from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import ModelError
-from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny, tiny_cache
+from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
+from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.clip_l import TINY_CLIP_L, clip_l_folder, load_clip_l, projected, term_key
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"

@@ -1,4 +1,4 @@
-"""The contract every reward term keeps, and the tiny-model cache the terms share.
+"""The contract every reward term keeps (their tiny models go to models.tiny_cache).
 
 A term is a callable `term(prompts, images) -> scores`: prompts[i] is scored against images[i]
 (uint8 [n, H, W, 3] on the CPU, numpy or torch), scores are float32 [n] on the CPU. A term does
@@ -12,8 +12,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hpcnft.models.tiny_cache import cache_dir, ensure_tiny  # noqa: F401 - the terms' tiny models
-
 
 class RewardTerm(Protocol):
     def __call__(self, prompts: list[str], images: np.ndarray | torch.Tensor) -> torch.Tensor: ...
@@ -26,8 +24,3 @@ def as_uint8_numpy(images: np.ndarray | torch.Tensor) -> np.ndarray:
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         raise ValueError(f"reward terms take uint8 images [n, H, W, 3], got {images.dtype} {tuple(images.shape)}")
     return np.ascontiguousarray(images)
-
-
-def tiny_cache(cfg) -> str:
-    """Where the terms' tiny models are built: models.tiny_cache, else the default cache."""
-    return cfg.models.tiny_cache or cache_dir()

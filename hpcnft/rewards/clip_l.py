@@ -17,7 +17,7 @@ import torch
 from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
-from hpcnft.rewards.base import ensure_tiny, tiny_cache
+from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
 
 CLIP_L_TINY = "clip_l_tiny"
 CLIP_MODEL_REQUIRED = ("config.json",)

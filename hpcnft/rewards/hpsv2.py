@@ -25,7 +25,8 @@ from PIL import Image
 
 from hpcnft.common.errors import first_line, one_line
 from hpcnft.models.folders import ModelError, check_folder
-from hpcnft.rewards.base import as_uint8_numpy, ensure_tiny, tiny_cache
+from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
+from hpcnft.rewards.base import as_uint8_numpy
 
 HPS_CHECKPOINT = "HPS_v2.1_compressed.pt"
 ARCH_FILE = "hpsv2_config.json"

@@ -85,14 +85,11 @@ def default_run_dir(recipe: str) -> str:
 
 def tiny_models_needed(cfg) -> bool:
     """Whether this config uses a tiny model that is not built yet (without importing torch)."""
-    from hpcnft.models.tiny_cache import FLUX_DIRNAME, built, cache_dir
+    from hpcnft.models.tiny_cache import FLUX_DIRNAME, built, tiny_cache, tiny_models_used
 
-    m = cfg.models
-    cache = m.tiny_cache or cache_dir()
-    base = m.sd3_dir if m.family == "sd3" else m.flux_dir
-    sd3_and_pickscore = not m.pickscore_dir or (m.family == "sd3" and not base)  # built together
-    return ((sd3_and_pickscore and not built(cache))
-            or (m.family == "flux" and not base and not built(os.path.join(cache, FLUX_DIRNAME))))
+    cache = tiny_cache(cfg)
+    sd3_and_pickscore, flux = tiny_models_used(cfg)
+    return (sd3_and_pickscore and not built(cache)) or (flux and not built(os.path.join(cache, FLUX_DIRNAME)))
 
 
 def check_existing_run(cfg) -> None:

@@ -44,7 +44,8 @@ def _case_missing_model_folder(tmp):
 
 
 def _case_missing_flux_folder(tmp):
-    return ["tiny_flux", "--set", "models.flux_dir=/nonexistent/FLUX.1-dev"], ["models.flux_dir", "/nonexistent/FLUX.1-dev"]
+    missing = "/nonexistent/FLUX.1-dev"
+    return ["tiny_flux", "--set", f"models.flux_dir={missing}"], ["models.flux_dir", missing]
 
 
 def _case_incomplete_model_folder(tmp):

@@ -16,9 +16,6 @@ from hpcnft.models.families.base import Family
 from hpcnft.models.folders import FLUX_REQUIRED
 from hpcnft.models.tiny_cache import FLUX_DIRNAME
 
-MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
-
-
 def _pipeline():
     from diffusers import FluxPipeline
 
