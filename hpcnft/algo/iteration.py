@@ -16,8 +16,8 @@ from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise
 from hpcnft.algo.solvers import sample
 from hpcnft.common.config import Config
-from hpcnft.dist.groups import Topology
-from hpcnft.dist.reward_service import EVAL, ROLLOUT
+from hpcnft.distributed.groups import Topology
+from hpcnft.distributed.reward_service import EVAL, ROLLOUT
 from hpcnft.models.families import family_of
 from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 

@@ -21,7 +21,7 @@ def term_columns(cfg: Config) -> dict[str, list[RewardTermConfig]]:
 
 def reply_columns(cfg: Config) -> dict[int, int]:
     """Scores per image in a reward reply, by request kind (the reward service's `columns`)."""
-    from hpcnft.dist.reward_service import EVAL, ROLLOUT
+    from hpcnft.distributed.reward_service import EVAL, ROLLOUT
 
     cols = term_columns(cfg)
     return {ROLLOUT: len(cols["rollout"]), EVAL: len(cols["eval"])}
@@ -42,7 +42,7 @@ def make_score_fn(cfg: Config, terms: dict[str, object]):
     """(kind, step, images, sample ids) -> float32 [n, T]. A rank scores with its own copy of the
     prompt files, against the prompt each sample was generated from (PromptStream.for_samples)."""
     from hpcnft.algo.prompts import read_prompt_file, train_stream
-    from hpcnft.dist.reward_service import EVAL
+    from hpcnft.distributed.reward_service import EVAL
 
     stream = train_stream(cfg)
     eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")

@@ -13,7 +13,7 @@ from hpcnft.algo import nft
 from hpcnft.algo.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_pairs
 from hpcnft.algo.policy import Policy
 from hpcnft.common.config import Config
-from hpcnft.dist.groups import collective_device
+from hpcnft.distributed.groups import collective_device
 from hpcnft.perf import levers
 from hpcnft.perf.mfu import span
 

@@ -280,13 +280,13 @@ _MESH = []
 
 
 def world1_mesh(dev):
-    """A one-rank process group and train mesh, as hpcnft.dist.groups.setup makes for world 1."""
+    """A one-rank process group and train mesh, as hpcnft.distributed.groups.setup makes for world 1."""
     if not _MESH:
         torch = _torch()
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        from hpcnft.dist.groups import free_port
+        from hpcnft.distributed.groups import free_port
 
         if not dist.is_initialized():
             backend = "nccl" if dev.type == "cuda" else "gloo"

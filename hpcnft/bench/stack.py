@@ -120,9 +120,9 @@ class HpcnftStack:
     @property
     def train_rank(self):
         if self._tr is None:
-            from hpcnft.dist.groups import Topology
+            from hpcnft.distributed.groups import Topology
             from hpcnft.algo.iteration import Learner
-            from hpcnft.dist.reward_service import LocalRewardClient
+            from hpcnft.distributed.reward_service import LocalRewardClient
 
             policy = self.policy
             topo = Topology(0, 1, 0, [0], [], "bench", "nccl" if self.dev.type == "cuda" else "gloo", self.dev)

@@ -55,8 +55,8 @@ def main(name: str, args) -> int:
 
 def start(args) -> int:
     from hpcnft.common.config import ConfigError, load_config
-    from hpcnft.dist.detect import detect
-    from hpcnft.dist.launch import LaunchError
+    from hpcnft.distributed.detect import detect
+    from hpcnft.distributed.launch import LaunchError
 
     try:
         cfg = load_config(args.recipe, args.overrides, steps=args.steps, run_dir=args.run_dir)
@@ -96,7 +96,7 @@ def spawn(cfg, args) -> int:
 
 
 def spawn_ranks(cfg, args, rank0_fd) -> int:
-    from hpcnft.dist import groups
+    from hpcnft.distributed import groups
 
     if tiny_models_needed(cfg):
         from hpcnft.models.loading import resolve_model_paths

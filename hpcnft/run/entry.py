@@ -15,9 +15,9 @@ from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
 from hpcnft.common.config import Config, ConfigError
 from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, one_line
-from hpcnft.dist import groups
-from hpcnft.dist.launch import LaunchInfo
-from hpcnft.dist.preempt import PreemptFlag
+from hpcnft.distributed import groups
+from hpcnft.distributed.launch import LaunchInfo
+from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main

@@ -17,8 +17,8 @@ from hpcnft.algo.trainer import Trainer
 from hpcnft.common import determinism
 from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
-from hpcnft.dist.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
-from hpcnft.dist.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
+from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
+from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
 from hpcnft.io import checkpoint
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import base_family, resolve_model_paths

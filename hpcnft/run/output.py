@@ -13,7 +13,7 @@ import torch
 
 from hpcnft.algo.sampler import prompt_grid
 from hpcnft.common.errors import first_line
-from hpcnft.dist import netif
+from hpcnft.distributed import netif
 
 log = logging.getLogger("hpcnft")
 

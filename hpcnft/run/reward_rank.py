@@ -7,8 +7,8 @@ from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.common import determinism
 from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
-from hpcnft.dist.preempt import PreemptFlag
-from hpcnft.dist.reward_service import serve
+from hpcnft.distributed.preempt import PreemptFlag
+from hpcnft.distributed.reward_service import serve
 from hpcnft.io import checkpoint
 from hpcnft.run.output import log
 from hpcnft.run.resume import ResumePlan

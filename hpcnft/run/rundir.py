@@ -69,7 +69,7 @@ def check_backend(cfg) -> None:
     import torch
 
     from hpcnft.common.errors import ConfigError
-    from hpcnft.dist.groups import resolve_backend
+    from hpcnft.distributed.groups import resolve_backend
 
     gpu = cfg.layout.device != "cpu" and torch.cuda.is_available()
     try:

@@ -27,7 +27,7 @@ class HpcnftJob(submitit.helpers.Checkpointable):
 
     def __call__(self, recipe: str, overrides: list[str], run_dir: str, steps: int | None) -> int:
         from hpcnft.common.config import load_config
-        from hpcnft.dist.detect import detect
+        from hpcnft.distributed.detect import detect
         from hpcnft.run.entry import rank_main
 
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

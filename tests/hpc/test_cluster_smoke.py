@@ -1,5 +1,5 @@
 """The launch paths on a real Slurm cluster: 3 ranks do a gloo all_reduce with rank, world size
-and master taken from hpcnft.dist.detect.detect(os.environ), under plain srun, srun --mpi=pmix and
+and master taken from hpcnft.distributed.detect.detect(os.environ), under plain srun, srun --mpi=pmix and
 mpirun inside sbatch (where every rank sees SLURM_PROCID=0); MPI's own rank/size check
 detect(). Then slurm/sd3_pickscore.sbatch with the documented CPU override and
 slurm/tiny.sbatch through a requeue, each with a stand-in for `hpcnft` (HPCNFT_CMD)."""
@@ -15,12 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PY = shlex.quote(sys.executable)
 
-SMOKE = '''"""all_reduce over gloo; rank/world/master from hpcnft.dist.detect.detect (stand-in for hpcnft)."""
+SMOKE = '''"""all_reduce over gloo; rank/world/master from hpcnft.distributed.detect.detect (stand-in for hpcnft)."""
 import datetime, json, os, subprocess, sys, time
 from dataclasses import asdict
 from pathlib import Path
 
-from hpcnft.dist.detect import detect
+from hpcnft.distributed.detect import detect
 
 info = detect(os.environ)
 truth = {}

@@ -109,7 +109,7 @@ def bound_interfaces(run_dir) -> dict[int, str]:
 
 
 def test_every_node_is_a_host_of_its_own(multinode_cluster, tmp_path):
-    probe = ("import socket; from hpcnft.dist import netif; h = socket.gethostname(); a = netif.resolve(h); "
+    probe = ("import socket; from hpcnft.distributed import netif; h = socket.gethostname(); a = netif.resolve(h); "
              "print('NODE', h, a[0], netif.own_interface(a, netif.local_interfaces()))")
     code, out = run_cmd(["srun", "--nodes=3", "--ntasks-per-node=1", "--time=00:02:00", PY, "-c", probe],
                         timeout=120, cwd=tmp_path, env=base_env())

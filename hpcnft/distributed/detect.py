@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from hpcnft.dist.launch import (DEFAULT_PORT, LAUNCHER_ENV, LOOPBACK, MASTER_ENV, MPIRUN_ID, SLURM_ENV, EnvNames,
+from hpcnft.distributed.launch import (DEFAULT_PORT, LAUNCHER_ENV, LOOPBACK, MASTER_ENV, MPIRUN_ID, SLURM_ENV, EnvNames,
                                 LaunchError, LaunchInfo, job_port, parse_nodelist)
 
 

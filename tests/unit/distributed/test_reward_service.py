@@ -1,11 +1,11 @@
-"""hpcnft.dist.reward_service's messages: a malformed request header is refused before anything
+"""hpcnft.distributed.reward_service's messages: a malformed request header is refused before anything
 is allocated; well-formed ones pass."""
 from __future__ import annotations
 
 
 import pytest
 
-from hpcnft.dist.reward_service import (DONE, ERROR, EVAL, MAX_CHUNK, MAX_SIDE, ROLLOUT, SNAPSHOT, RewardServiceError,
+from hpcnft.distributed.reward_service import (DONE, ERROR, EVAL, MAX_CHUNK, MAX_SIDE, ROLLOUT, SNAPSHOT, RewardServiceError,
                                    validate_header)
 
 

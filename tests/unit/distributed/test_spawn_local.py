@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from hpcnft.dist.groups import spawn_local
+from hpcnft.distributed.groups import spawn_local
 
 
 def role(rank):

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError
 from hpcnft.common.errors import first_line
-from hpcnft.dist import netif
-from hpcnft.dist.launch import LaunchInfo
+from hpcnft.distributed import netif
+from hpcnft.distributed.launch import LaunchInfo
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:

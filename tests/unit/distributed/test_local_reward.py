@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from hpcnft.dist.reward_service import ROLLOUT, LocalRewardClient
+from hpcnft.distributed.reward_service import ROLLOUT, LocalRewardClient
 
 
 def _score_fn(log):

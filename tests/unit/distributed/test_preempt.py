@@ -1,4 +1,4 @@
-"""hpcnft.dist.preempt and the rank's way out: the requeue passes the job id as one argument, a late
+"""hpcnft.distributed.preempt and the rank's way out: the requeue passes the job id as one argument, a late
 signal after the flag is retired passes through shutdown, rank_main retires its flag on every way
 out, Slurm's own SIGTERM leaves the requeue to Slurm, and a failed log line keeps the signal."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hpcnft.common.config import load_config
 
 
 def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
-    from hpcnft.dist.preempt import requeue
+    from hpcnft.distributed.preempt import requeue
 
     fake = tmp_path / "scontrol"
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
@@ -31,7 +31,7 @@ def test_requeue_passes_the_job_id_as_one_argument(tmp_path, monkeypatch):
 
 _LATE_SIGNAL = r"""
 import logging, signal, sys
-from hpcnft.dist.preempt import PreemptFlag
+from hpcnft.distributed.preempt import PreemptFlag
 flag = PreemptFlag("SIGUSR2", True, logging.getLogger("t"))
 if sys.argv[1] == "retired":
     flag.retire()
@@ -58,13 +58,13 @@ def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
     import signal
 
     from hpcnft.common.errors import EXIT_BAD_INPUT
-    from hpcnft.dist.detect import detect
+    from hpcnft.distributed.detect import detect
     from hpcnft.run.entry import rank_main
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
     try:
         cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
-        from hpcnft.dist.groups import free_port
+        from hpcnft.distributed.groups import free_port
 
         launch = detect({"MASTER_PORT": str(free_port())})  # not 29500, which another job may hold
         assert rank_main(cfg, launch, "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
@@ -76,7 +76,7 @@ def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
 
 
 def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
-    from hpcnft.dist.preempt import leave_requeue_to_slurm
+    from hpcnft.distributed.preempt import leave_requeue_to_slurm
 
     assert leave_requeue_to_slurm("SIGUSR2", "SIGUSR2") is None  # the time-limit warning: requeue
     assert leave_requeue_to_slurm("", "SIGUSR2") is None  # the reward rank's signal: requeue
@@ -89,7 +89,7 @@ def test_a_preempt_signal_is_kept_when_its_log_line_fails():
     import logging
     import signal
 
-    from hpcnft.dist.preempt import PreemptFlag
+    from hpcnft.distributed.preempt import PreemptFlag
 
     class Broken(logging.Handler):
         def handle(self, record):  # a write that fails outright (not through handleError)

@@ -1,13 +1,13 @@
-"""The interface a rank's collectives bind (hpcnft.dist.netif): the one holding the address of
+"""The interface a rank's collectives bind (hpcnft.distributed.netif): the one holding the address of
 the node's own name, never loopback across nodes, never over the user's choice; and the route a
 failed rendezvous names."""
 from __future__ import annotations
 
 import socket
 
-from hpcnft.dist import netif
-from hpcnft.dist.groups import rendezvous_error
-from hpcnft.dist.launch import LaunchInfo
+from hpcnft.distributed import netif
+from hpcnft.distributed.groups import rendezvous_error
+from hpcnft.distributed.launch import LaunchInfo
 
 NODE = {"lo": ["127.0.0.1", "::1"], "docker0": ["172.17.0.1"], "eth0": ["10.213.0.12", "fe80::b814:1%eth0"],
         "ib0": ["192.168.7.12", "fd00::12"]}

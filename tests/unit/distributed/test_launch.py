@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcnft.dist.detect import detect
-from hpcnft.dist.launch import (
+from hpcnft.distributed.detect import detect
+from hpcnft.distributed.launch import (
     DEFAULT_PORT,
     LAUNCHER_ENV,
     LaunchError,
@@ -360,7 +360,7 @@ def test_job_port_stable_and_in_range():
 
 
 def test_a_failed_rendezvous_is_one_line_with_the_fix_when_the_port_is_taken():
-    from hpcnft.dist.groups import rendezvous_error
+    from hpcnft.distributed.groups import rendezvous_error
 
     info = detect({"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "node7", "MASTER_PORT": "20042"})
     taken = RuntimeError("The server socket has failed to listen on any local network address. port: 20042, "
@@ -375,7 +375,7 @@ def test_a_failed_rendezvous_is_one_line_with_the_fix_when_the_port_is_taken():
 
 # ------------------------------------------------------------------ the table of names
 def test_the_table_names_each_launchers_variables_in_detection_order():
-    from hpcnft.dist.launch import LAUNCHERS, SLURM_ENV
+    from hpcnft.distributed.launch import LAUNCHERS, SLURM_ENV
 
     assert [n.launcher for n in LAUNCHER_ENV] + ["none"] == list(LAUNCHERS)
     rows = {n.launcher: (n.rank, n.world, n.local_rank, n.local_size, n.node_rank) for n in LAUNCHER_ENV}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hpcnft.common.config import ConfigError, load_config
-from hpcnft.dist.groups import Topology, emulate_host, resolve_backend
-from hpcnft.dist.launch import LaunchInfo
-from hpcnft.dist.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
+from hpcnft.distributed.groups import Topology, emulate_host, resolve_backend
+from hpcnft.distributed.launch import LaunchInfo
+from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
 
 
 COLUMNS = {ROLLOUT: 2, EVAL: 1}  # two training terms; evaluation scores one
@@ -55,7 +55,7 @@ def _service_rank(rank: int, port: int, results) -> None:
 def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
     import torch.multiprocessing as mp
 
-    from hpcnft.dist.groups import free_port
+    from hpcnft.distributed.groups import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
