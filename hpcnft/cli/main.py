@@ -4,9 +4,11 @@ light commands (compare, show) start without loading torch. A command module pro
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
+from hpcnft.common import collector
 from hpcnft.common.errors import UsageError
 
 DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 and FLUX.1-dev against PickScore or a weighted "
@@ -51,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     module_name, help_ = COMMANDS[name]
+    enabled = gc.isenabled()
+    collector.hold_off()  # until the command's libraries and models are loaded (collector.settle)
+    try:
+        return _run_command(name, module_name, help_, argv)
+    finally:
+        collector.before_exit(enabled)
+
+
+def _run_command(name: str, module_name: str, help_: str, argv: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -59,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=f"hpcnft {name}", description=help_)
     module.add_arguments(name, parser)
     args = parser.parse_args(argv[1:])
+    if name != "run":  # a rank settles once its models are loaded, the spawner before it spawns
+        collector.settle()
     try:
         return int(module.main(name, args) or 0)
     except UsageError as e:

@@ -11,6 +11,7 @@ import os
 import time
 import sys
 
+from hpcnft.common import collector
 from hpcnft.common.errors import EXIT_BAD_INPUT, UsageError
 from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_needed
 
@@ -64,6 +65,7 @@ def start(args) -> int:
     except (ConfigError, LaunchError) as e:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
+        collector.settle()
         return spawn(cfg, args)
     from hpcnft.run.entry import rank_main
 

@@ -14,7 +14,7 @@ from hpcnft.algo.iteration import Learner
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
 from hpcnft.algo.trainer import Trainer
-from hpcnft.common import determinism
+from hpcnft.common import collector, determinism
 from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
@@ -56,6 +56,7 @@ class TrainJob:
         self.say("loading the models")
         t0 = time.perf_counter()
         self.tr = build_train_rank(cfg, topo, group, mesh)
+        collector.settle()
         self.say(f"models loaded in {time.perf_counter() - t0:.1f} s")
         self.writer = None
         self.warnings: list[str] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
-from hpcnft.common import determinism
+from hpcnft.common import collector, determinism
 from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag
@@ -19,6 +19,7 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
     # run.h5 are then the same in every run of a config, as theirs are.
     determinism.seed_globals(cfg.train.seed)
     score_fn = make_score_fn(cfg, load_terms(cfg, topo.device))
+    collector.settle()
     for text in plan.warnings:
         log.warning(text)
     found = plan.checkpoint  # the train ranks' checkpoint
