@@ -1,10 +1,19 @@
-"""Shared fixtures for the whole test tree.
+"""Shared fixtures and the test tiers for the whole test tree.
+
+Tiers (README, Testing): a test marked `slow` (end-to-end tiny jobs), `hpc` (the local Slurm
+cluster; tests/hpc marks its own) or `gpu` (CUDA) runs only when asked for with `-m`; every
+other test is in the `default` tier, which a plain `python3 -m pytest` runs. `-m "default or
+slow or hpc or gpu"` runs them all (CI).
 
 `tiny_models`: the tiny SD3.5 and PickScore folders (tiny_models.md), built once per session
 into a temporary folder with hpcnft.models.tiny.ensure_tiny_models (about 8 s on 2 cores, most of it
 the first import of diffusers/transformers; later builds in the same process take ~1 s).
 
-`hpcnft_cache`: one HPCNFT_CACHE for the session (tests/integration uses it for every test).
+`hpcnft_cache`: one HPCNFT_CACHE for the session (tests/integration and tests/hpc use it for every
+test).
+
+`tiny_run`, `tiny_run_again`: the embedded default job, 3 steps, started once per session and
+shared by every test that only reads a finished run (see below).
 
 `thread_spy`: replace a module's function by one that records the thread it runs in.
 """
@@ -13,6 +22,33 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from jobs import FinishedRun, start_tiny_run
+
+TIERS = ("slow", "hpc", "gpu")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "default: the default tier (every test not marked slow, hpc or gpu)")
+    if not config.option.markexpr:
+        config.option.markexpr = "default"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Before `-m` selects: every test under tests/hpc is `hpc`, under tests/gpu `gpu`, and a
+    test of no tier is `default`."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    folders = {here / "hpc": pytest.mark.hpc, here / "gpu": pytest.mark.gpu}
+    for item in items:
+        parents = Path(str(item.fspath)).resolve().parents
+        for folder, mark in folders.items():
+            if folder in parents:
+                item.add_marker(mark)
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.default)
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +72,18 @@ def hpcnft_cache(tmp_path_factory):
         os.environ.pop("HPCNFT_CACHE", None)
     else:
         os.environ["HPCNFT_CACHE"] = old
+
+
+# -- the shared tiny run (tests/jobs.py: TINY_STEPS, TINY_ARGS and why) -------------------
+@pytest.fixture(scope="session")
+def tiny_run(hpcnft_cache, tmp_path_factory) -> FinishedRun:
+    return start_tiny_run(str(tmp_path_factory.mktemp("tiny-run") / "run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run_again(hpcnft_cache, tmp_path_factory) -> FinishedRun:
+    """The same command once more, into another run dir (bit-identical runs)."""
+    return start_tiny_run(str(tmp_path_factory.mktemp("tiny-run-again") / "run"))
 
 
 @pytest.fixture

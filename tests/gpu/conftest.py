@@ -1,5 +1,5 @@
-"""GPU tests: every test here gets the `gpu` marker and is skipped when no CUDA device is
-present (CI has none; run them on a GPU machine with `pytest tests/gpu`)."""
+"""GPU tests: every test here has the `gpu` marker (tests/conftest.py) and is skipped when no
+CUDA device is present (CI has none; run them on a GPU machine with `pytest -m gpu tests/gpu`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,16 +19,11 @@ def _cuda_problem() -> str | None:
     return None
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device")
-
-
 def pytest_collection_modifyitems(config, items):
     problem = None
     checked = False
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.gpu)
             if not checked:
                 problem, checked = _cuda_problem(), True
             if problem:

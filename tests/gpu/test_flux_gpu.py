@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from integration.jobs import assert_same_metrics, hpcnft
+from jobs import assert_same_metrics, hpcnft
 from hpcnft.io.runfile import read_run
 
 NCCL = ["--set", "layout.device=cuda", "--set", "layout.backend=nccl", "--set", "layout.emulate_hosts=true",

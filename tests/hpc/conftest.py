@@ -1,6 +1,6 @@
 """Fixtures for the hpc tests: a real Slurm cluster (tools/local_slurm.sh), Open MPI, PMIx.
 
-Every test under tests/hpc gets the `hpc` marker. Tests take the session fixture
+Every test under tests/hpc has the `hpc` marker (tests/conftest.py). Tests take the session fixture
 `slurm_cluster`, which skips them with the reason when no cluster answers, and use the helpers
 below (also available as methods of the fixture's value). The session's HPCNFT_CACHE is the
 fixture `hpcnft_cache` of tests/conftest.py.
@@ -47,16 +47,6 @@ HERE = Path(__file__).resolve().parent
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 POLL_S = 0.5
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "hpc: needs the local Slurm cluster (tools/local_slurm.sh start)")
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.hpc)
 
 
 # ------------------------------------------------------------------------------------ helpers

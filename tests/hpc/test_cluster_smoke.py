@@ -47,7 +47,10 @@ out.mkdir(parents=True, exist_ok=True)
 (out / f"r{info.rank}-a{info.restart_count}.json").write_text(json.dumps(rec))
 print("smoke " + info.describe(), flush=True)
 if os.environ.get("SMOKE_REQUEUE") == "1" and info.restart_count == 0:
-    if info.rank == 0:
+    if info.rank == 0:  # once every rank has written its record: the requeue kills them all
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("r*-a0.json"))) < info.world_size and time.monotonic() < deadline:
+            time.sleep(0.1)
         subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)
     time.sleep(300)  # the requeue kills this attempt
 sys.exit(0 if t.item() == info.world_size * (info.world_size + 1) / 2 else 1)

@@ -59,8 +59,7 @@ def _load_hpc_helpers():
 _hpc = _load_hpc_helpers()
 TERMINAL, _run, _scontrol_fields = _hpc.TERMINAL, _hpc._run, _hpc._scontrol_fields
 job_output, job_state, wait = _hpc.job_output, _hpc.job_state, _hpc.wait
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-from jobs import assert_same_metrics  # noqa: E402  (tests/integration/jobs.py)
+from jobs import TINY_STEPS, assert_same_metrics  # noqa: E402  (tests/jobs.py)
 
 from hpcnft.io.runfile import read_run  # noqa: E402
 
@@ -74,7 +73,7 @@ RUN_TIMEOUT = 480          # one 3-step tiny run through any launcher
 LONG_TIMEOUT = 720         # a run with a requeue in it
 
 # tests 1-5: `hpcnft run tiny --steps 3`
-STEPS3 = 3
+STEPS3 = TINY_STEPS
 # tests 6-9: a cheaper step (4 samples), a checkpoint every step, no periodic eval, no PNG grids.
 # 80 steps: test 7's run must still be going when Slurm's periodic check (<= ~30 s after the
 # time-limit update, made once the ranks are up) sends the signal; a tiny step takes ~0.45 s on
@@ -223,8 +222,10 @@ def _cluster_and_cache(slurm_cluster, hpcnft_cache):
 
 
 @pytest.fixture(scope="module")
-def ref3(tmp_path_factory) -> str:
-    return local_reference(tmp_path_factory, "ref3", STEPS3)
+def ref3(tiny_run) -> str:
+    """`hpcnft run tiny --steps 3` through the local spawner: the session's shared run."""
+    assert read_run(tiny_run.run_dir).topology["launcher"] == "local"
+    return tiny_run.run_dir
 
 
 @pytest.fixture(scope="module")

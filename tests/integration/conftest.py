@@ -1,10 +1,30 @@
-"""Fixtures for end-to-end runs of the tiny job (helpers live in jobs.py)."""
+"""Fixtures for end-to-end runs of the tiny job (helpers live in tests/jobs.py; the shared
+`tiny_run` in tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
+
+from jobs import TINY_ARGS, hpcnft
 
 
 @pytest.fixture(scope="session", autouse=True)
 def tiny_cache(hpcnft_cache):
     """Every run shares the session's HPCNFT_CACHE (tests/conftest.py): one tiny-model build."""
     return hpcnft_cache
+
+
+@pytest.fixture(scope="session")
+def tiny_fp16_run(tmp_path_factory) -> str:
+    """`hpcnft run tiny_fp16 --steps 3`: its standard's command, with the overflowing first step."""
+    run_dir = str(tmp_path_factory.mktemp("tiny-fp16") / "run")
+    hpcnft("run", "tiny_fp16", "--steps", "3", "--run-dir", run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_run(tmp_path_factory) -> str:
+    """`hpcnft run tiny_flux --steps 3` with a checkpoint after every step: the FLUX.1 twin of
+    `tiny_run`, for the FLUX job's tests and export."""
+    run_dir = str(tmp_path_factory.mktemp("tiny-flux") / "run")
+    hpcnft("run", "tiny_flux", "--steps", "3", "--run-dir", run_dir, *TINY_ARGS)
+    return run_dir

@@ -174,6 +174,7 @@ def test_bench_bad_lever_is_usage_error():
     assert r.returncode == 2 and "KEY=VALUE" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     out, prof = tmp_path / "bench.json", tmp_path / "prof"
     r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--no-default", "--phases", "vae,iteration", "--own-shapes",
@@ -225,6 +226,7 @@ def test_bench_phases_and_own_shapes_choose_what_is_measured(tmp_path):
     assert r.returncode == 2 and "unknown phase decode" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_bench_variant_measures_fast_with_one_change_in_the_same_process(tmp_path):
     out = tmp_path / "bench.json"
     r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "train,iteration", "--own-shapes",
@@ -252,6 +254,7 @@ def test_bench_variant_measures_fast_with_one_change_in_the_same_process(tmp_pat
     assert r.returncode == 2 and "--variant 'all': expected KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bench_reward_terms_times_every_term_per_image(tmp_path):
     from hpcnft.bench.shapes import tiny_shapes
     from hpcnft.bench.terms import TERMS

@@ -16,8 +16,6 @@ from hpcnft.common.config import load_config
 from hpcnft.io.runfile import read_run
 from hpcnft.models.loading import base_family, load_pickscore, resolve_model_paths
 
-pytestmark = pytest.mark.slow
-
 
 def rollout_reward_with(recipe: str, lora_dir: str, step: int) -> float:
     """Step `step`'s rollout of `recipe`, sampled by the family's plain diffusers pipeline that
@@ -45,10 +43,13 @@ def rollout_reward_with(recipe: str, lora_dir: str, step: int) -> float:
     return nft.reward_stats(torch.cat(scores))["raw_mean"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tiny", "tiny_flux"])
-def test_exported_old_policy_reproduces_the_next_rollout(recipe, tmp_path):
-    run_dir, out = str(tmp_path / "run"), str(tmp_path / "lora")
-    hpcnft("run", recipe, "--steps", "3", "--run-dir", run_dir, "--set", "checkpoint.every=2")
+def test_exported_old_policy_reproduces_the_next_rollout(recipe, request, tmp_path):
+    """From the session's 3-step runs of each family, their checkpoint after step 2."""
+    run_dir = request.getfixturevalue("tiny_run").run_dir if recipe == "tiny" else \
+        request.getfixturevalue("tiny_flux_run")
+    out = str(tmp_path / "lora")
     r = hpcnft("export", run_dir, out, "--step", "2", "--policy", "old")
     assert "step 2" in r.stdout
     assert "torch.distributed is disabled" not in r.stderr  # one process without a group is by design

@@ -13,10 +13,9 @@ STEPS = "3"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("flux") / "full")
-    hpcnft("run", "tiny_flux", "--steps", STEPS, "--run-dir", run_dir)
-    return run_dir
+def uninterrupted(tiny_flux_run):
+    """`hpcnft run tiny_flux --steps 3` (tests/integration/conftest.py)."""
+    return tiny_flux_run
 
 
 def rng_states(run_dir: str) -> dict[int, bytes]:

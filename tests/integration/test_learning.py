@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobs import hpcnft
+from jobs import hpcnft, start
 from hpcnft.common.config import load_config
 from hpcnft.io.prompt_files import read_prompt_file
 from hpcnft.io.runfile import read_run
@@ -21,29 +21,37 @@ pytestmark = pytest.mark.slow
 PROMPT = "an owl perched on a branch at night"
 
 
-def learn(tmp_path, scale: float) -> dict:
+def learn(tmp_path, scales: tuple[float, ...]) -> list[dict]:
+    """One single-rank run per reward scale, side by side: each is one process on one thread
+    (determinism.cpu_threads), so two of them keep both cores of a small machine busy."""
     prompts = tmp_path / "one_prompt.txt"
     prompts.write_text(PROMPT + "\n")
-    run_dir = str(tmp_path / f"learn{scale:+.0f}")
-    hpcnft("run", "tiny", "--steps", "20", "--run-dir", run_dir,
-           "--set", "layout.train_ranks=1", "--set", "layout.reward_ranks=0",
-           "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=8",
-           "--set", "train.finetune=full", "--set", "optim.lr=1e-2",
-           "--set", f"data.train_prompts={str(prompts)!r}", "--set", f"data.eval_prompts={str(prompts)!r}",
-           "--set", "eval.every=20", "--set", "eval.at_start=true", "--set", "eval.num_prompts=1",
-           "--set", f"reward.scale={scale}", "--set", "logging.sample_grid_every=0",
-           "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")
-    return read_run(run_dir).metrics
+    runs = []
+    for scale in scales:
+        run_dir = str(tmp_path / f"learn{scale:+.0f}")
+        runs.append((run_dir, start("run", "tiny", "--steps", "20", "--run-dir", run_dir,
+                                    "--set", "layout.train_ranks=1", "--set", "layout.reward_ranks=0",
+                                    "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=8",
+                                    "--set", "train.finetune=full", "--set", "optim.lr=1e-2",
+                                    "--set", f"data.train_prompts={str(prompts)!r}",
+                                    "--set", f"data.eval_prompts={str(prompts)!r}",
+                                    "--set", "eval.every=20", "--set", "eval.at_start=true",
+                                    "--set", "eval.num_prompts=1", "--set", f"reward.scale={scale}",
+                                    "--set", "logging.sample_grid_every=0",
+                                    "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")))
+    for run_dir, proc in runs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out + err
+    return [read_run(run_dir).metrics for run_dir, _ in runs]
 
 
 def test_nft_raises_the_reward_and_the_negated_reward_lowers_it(tmp_path):
-    up = learn(tmp_path, 1.0)
+    up, down = learn(tmp_path, (1.0, -1.0))
     pick = up["rollout/reward/raw_mean"][:, 1]
     assert pick[-5:].mean() >= 1.10 * pick[:5].mean(), pick
     ev = dict(up["eval/pickscore_mean"].tolist())
     assert ev[20.0] > ev[0.0]
 
-    down = learn(tmp_path, -1.0)
     pick_down = -down["rollout/reward/raw_mean"][:, 1]  # the training reward is -PickScore
     assert pick_down[-5:].mean() < pick_down[:5].mean(), pick_down
     ev_down = dict(down["eval/pickscore_mean"].tolist())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jobs import assert_same_metrics, assert_step_one_agrees, hpcnft
+from jobs import assert_same_metrics, assert_step_one_agrees, copy_run, hpcnft
 from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
@@ -42,11 +42,12 @@ def test_same_command_twice_is_bit_identical(official, tmp_path):
 
 
 def test_a_resumed_run_ends_with_the_same_bits(official, tmp_path):
-    """Stopped after step 2 and resumed: the step-4 evaluation samples with the evaluation EMA,
-    which only matches if the checkpoint brought it back."""
-    resumed = str(tmp_path / "resumed")
-    hpcnft("run", "tiny_official", "--steps", "2", "--run-dir", resumed, *SETTINGS)
-    hpcnft("run", "tiny_official", "--steps", STEPS, "--run-dir", resumed, *SETTINGS)
+    """Resumed after step 2 (the run dir of a run killed after step 2's checkpoint): the step-4
+    evaluation samples with the evaluation EMA, which only matches if the checkpoint brought it
+    back."""
+    resumed = copy_run(official, str(tmp_path / "resumed"), keep_checkpoints_through=2)
+    r = hpcnft("run", "tiny_official", "--steps", STEPS, "--run-dir", resumed, *SETTINGS)
+    assert "hpcnft: resuming after step 2" in r.stdout, r.stdout
     assert_same_metrics(official, resumed)
 
 

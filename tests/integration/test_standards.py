@@ -130,9 +130,10 @@ KEYS = ["rollout/reward/raw_num_samples", "rollout/reward/raw_mean", "rollout/re
         "train/loss_scale", "eval/pickscore_mean"]
 
 
-def run_and_check(tmp_path, recipe: str, standard: str, *extra: str) -> str:
-    run_dir = str(tmp_path / recipe)
-    hpcnft("run", recipe, "--steps", "3", "--run-dir", run_dir, *extra)
+def check(run_dir: str, again: str | None, standard: str) -> None:
+    """The finished run `run_dir` against its standard: exactly on a kind with its own, else
+    `again` (the same command's second run, started only then) bit-identical to it and both
+    within the cross-kind tolerance of the recorded ones."""
     path = standard_path(standard)
     if RECORD:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -140,22 +141,25 @@ def run_and_check(tmp_path, recipe: str, standard: str, *extra: str) -> str:
     if has_own_standards(standard):
         r = hpcnft("compare", run_dir, path, "--keys", *KEYS, check=False)
         assert r.returncode == 0, r.stdout + r.stderr
-        return run_dir
+        return
     # A kind without standards: its own bits run to run, and the recorded ones within tolerance.
-    again = str(tmp_path / f"{recipe}-again")
-    hpcnft("run", recipe, "--steps", "3", "--run-dir", again, *extra)
     assert_same_metrics(run_dir, again)
     off = outside_tolerance(load_metrics(run_dir), load_metrics(path), tolerances(standard, KEYS))
     assert off == [], f"{cpu_kind()} has no standards of its own; outside the cross-kind tolerance:\n" + "\n".join(off)
-    return run_dir
 
 
-def test_tiny_three_ranks_matches_its_standard(tmp_path):
-    run_and_check(tmp_path, "tiny", "tiny_3rank.json")
+def test_tiny_three_ranks_matches_its_standard(tiny_run, request):
+    """The shared tiny run is this standard's command (its checkpoint every step changes no metric)."""
+    again = None if has_own_standards("tiny_3rank.json") else request.getfixturevalue("tiny_run_again").run_dir
+    check(tiny_run.run_dir, again, "tiny_3rank.json")
 
 
-def test_tiny_fp16_matches_its_standard_with_the_nan_step(tmp_path):
-    run_and_check(tmp_path, "tiny_fp16", "tiny_fp16_3rank.json")
+def test_tiny_fp16_matches_its_standard_with_the_nan_step(tiny_fp16_run, tmp_path):
+    again = None
+    if not has_own_standards("tiny_fp16_3rank.json"):
+        again = str(tmp_path / "again")
+        hpcnft("run", "tiny_fp16", "--steps", "3", "--run-dir", again)
+    check(tiny_fp16_run, again, "tiny_fp16_3rank.json")
     with open(standard_path("tiny_fp16_3rank.json")) as f:
         grad_norm = json.load(f)["metrics"]["train/grad_norm"]
     assert grad_norm[0] == [1, "NaN"]  # the overflowing first step, kept as NaN in the standard

@@ -7,7 +7,6 @@ import errno
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -24,11 +23,9 @@ def test_fuzzed_run_files_and_standards_end_in_exit_0_or_one_line(tmp_path):
     writer_made_run(src)
     work = tmp_path / "fuzz"
     work.mkdir()
-    t0 = time.monotonic()
-    result = fuzz(src, str(work), n=400, budget_s=15.0, seed=8)  # ~250 cases on 2 busy cores
-    print(f"{len(result['cases'])} fuzz cases in {time.monotonic() - t0:.1f} s")
+    result = fuzz(src, str(work), n=80, seed=8)
     assert result["died"] is None, result["died"]
-    assert len(result["cases"]) >= 50, f"only {len(result['cases'])} cases in {time.monotonic() - t0:.0f} s"
+    assert len(result["cases"]) == 80
     assert not result["problems"], "\n\n".join(result["problems"][:5])
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -130,3 +132,45 @@ def assert_step_one_agrees(ref_run: str, run: str, rollout_rtol: float = 0.0) ->
             assert got[key][0, 1] == ref[key][0, 1], key
     for key in train:
         assert np.allclose(got[key][0, 1], ref[key][0, 1], rtol=TRAIN_RTOL, atol=1e-12, equal_nan=True), key
+
+
+# -- the session's shared tiny run (tests/conftest.py: tiny_run, tiny_run_again) ------------
+# `hpcnft run tiny --steps 3` with a checkpoint after every step (all three kept): the standard
+# it must match is of this command (checkpoints change no metric), resume and rebuild tests start
+# from copies of it cut back to an earlier checkpoint, export reads its checkpoints, and the
+# launcher tests compare their runs with it. Tests read it and never write into it; a test that
+# changes a run works on `copy_run`'s copy.
+TINY_STEPS = 3
+TINY_ARGS = ("--set", "checkpoint.every=1", "--set", f"checkpoint.keep={TINY_STEPS}")
+
+
+class FinishedRun(NamedTuple):
+    run_dir: str
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def start_tiny_run(run_dir: str) -> FinishedRun:
+    """Through the local spawner, even when pytest itself runs inside a Slurm allocation."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(TINY_STEPS), "--run-dir",
+                        run_dir, *TINY_ARGS], capture_output=True, text=True, timeout=600, env=env)
+    if r.returncode != 0:
+        raise AssertionError(f"the shared tiny run exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return FinishedRun(run_dir, r.stdout, r.stderr, time.monotonic() - t0)
+
+
+def copy_run(run: FinishedRun | str, to: str, keep_checkpoints_through: int | None = None) -> str:
+    """A copy of a finished run dir to change; with `keep_checkpoints_through`, its later
+    checkpoints are gone (the run dir of a run killed after that checkpoint, its run.h5 holding
+    the later rows, which the next start drops)."""
+    src = run.run_dir if isinstance(run, FinishedRun) else run
+    shutil.copytree(src, to, symlinks=True)
+    if keep_checkpoints_through is not None:
+        ckpts = os.path.join(to, "checkpoints")
+        for name in os.listdir(ckpts):
+            if name.startswith("step_") and int(name[5:]) > keep_checkpoints_through:
+                shutil.rmtree(os.path.join(ckpts, name))
+    return to
