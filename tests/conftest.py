@@ -51,6 +51,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.default)
 
 
+@pytest.fixture(autouse=True)
+def no_wandb_service_left_behind():
+    """wandb run in a test's own process exports WANDB_SERVICE (its service's socket); jobs
+    started by later tests would inherit it and talk to that service instead of their own."""
+    before = os.environ.get("WANDB_SERVICE")
+    yield
+    if before is None:
+        os.environ.pop("WANDB_SERVICE", None)
+    else:
+        os.environ["WANDB_SERVICE"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> tuple[str, str]:
     """(sd35_tiny folder, pickscore_tiny folder)."""

@@ -48,12 +48,15 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 300) -> 
 
 
 def rank_pids(spawner_pid: int) -> dict[int, int]:
-    """{rank: pid} of the ranks a local spawner started."""
+    """{rank: pid} of the ranks a local spawner started (each names itself hpcnft-rank-N)."""
     out = {}
     for child in psutil.Process(spawner_pid).children():
-        env = child.environ()
-        if "RANK" in env:
-            out[int(env["RANK"])] = child.pid
+        try:
+            name = child.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("hpcnft-rank-"):
+            out[int(name.rsplit("-", 1)[1])] = child.pid
     return out
 
 

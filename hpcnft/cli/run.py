@@ -100,7 +100,8 @@ def spawn(cfg, args) -> int:
 def spawn_ranks(cfg, args, rank0_fd) -> int:
     from hpcnft.distributed import groups
 
-    if tiny_models_needed(cfg):
+    built_here = tiny_models_needed(cfg)
+    if built_here:
         from hpcnft.models.loading import resolve_model_paths
 
         t0 = time.perf_counter()
@@ -115,6 +116,22 @@ def spawn_ranks(cfg, args, rank0_fd) -> int:
         argv += ["--steps", str(args.steps)]
     print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
           flush=True)
-    code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd)
+    # Building the tiny models ran torch here: then the ranks start as new interpreters.
+    entry = rank_entry(cfg) if groups.ranks_can_fork(cfg) and not built_here else None
+    code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd,
+                              entry=entry)
     sys.stdout.flush()
     return code
+
+
+def rank_entry(cfg):
+    """Import what every rank of this job imports, once, for ranks forked from this process
+    (distributed.groups.ForkedRank); returns the command line's main, which they run."""
+    from hpcnft.cli.main import main
+    from hpcnft.models.loading import import_libraries
+    import hpcnft.run.entry  # noqa: F401 - the rank's own modules
+
+    collector.hold_off()
+    import_libraries(cfg)
+    collector.settle()  # frozen: the ranks' collections never walk (nor copy) the shared objects
+    return main

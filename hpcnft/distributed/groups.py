@@ -5,6 +5,8 @@ FSDP2 mesh). World 1 is colocated: the one process trains and scores.
 """
 from __future__ import annotations
 
+import atexit
+import ctypes
 import datetime
 import os
 import signal
@@ -183,13 +185,87 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def name_process(rank: int) -> None:
+    """Name this process `hpcnft-rank-N` (Linux's comm: what ps, top and pgrep show)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, f"hpcnft-rank-{rank}".encode(), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux: the name is a convenience
+        pass
+
+
+def ranks_can_fork(cfg: Config) -> bool:
+    """Whether the local spawner may fork its ranks from itself instead of starting new
+    interpreters: only when no rank can use a GPU (asking whether CUDA is there initialises it,
+    and CUDA does not survive a fork) and nothing has run a torch operation in the spawner yet
+    (the caller's part: a GNU OpenMP pool started before a fork hangs the children)."""
+    return cfg.layout.device == "cpu" or not (torch.version.cuda or torch.version.hip)
+
+
+class ForkedRank:
+    """A rank forked from the spawner, which has imported what a rank imports, so the rank
+    starts without importing torch, diffusers and transformers again; `entry(argv)` is the
+    rank's command line as `python -m hpcnft` would run it. Polled and signalled as a Popen."""
+
+    def __init__(self, entry, argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...],
+                 close_fds: tuple[int, ...]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into the spawner's frames
+            self._run_rank(entry, argv, env, keep_fds, close_fds)
+        self.pid, self.returncode = pid, None
+
+    @staticmethod
+    def _run_rank(entry, argv, env, keep_fds, close_fds) -> None:
+        code = 1
+        try:
+            for fd in close_fds:
+                if fd not in keep_fds:
+                    os.close(fd)
+            for s in FORWARDED_SIGNALS:  # the spawner's handlers are not the rank's
+                signal.signal(s, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            os.environ.clear()
+            os.environ.update(env)
+            code = entry(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit 1
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()  # what an interpreter's exit runs: libraries' handlers, logging
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = (sys.executable, "-m", "hpcnft"),
-                rank0_fd: tuple[str, int] | None = None) -> int:
+                rank0_fd: tuple[str, int] | None = None, entry=None) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0. `rank0_fd`
-    (variable name, descriptor): an open file rank 0 inherits, its number in that variable."""
+    (variable name, descriptor): an open file rank 0 inherits, its number in that variable.
+    With `entry` (the command line's main), the ranks are forked from this process and run
+    `entry(argv)` (see ranks_can_fork), else they are new interpreters running `command`."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -201,7 +277,10 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             env.pop(rank0_fd[0], None)
         if rank == 0 and rank0_fd:
             env[rank0_fd[0]], fds = str(rank0_fd[1]), (rank0_fd[1],)
-        procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
+        if entry is not None:
+            procs.append(ForkedRank(entry, argv, env, fds, (rank0_fd[1],) if rank0_fd else ()))
+        else:
+            procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
 
     def forward(signum, _frame):
         for p in procs:

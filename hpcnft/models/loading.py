@@ -43,6 +43,19 @@ def resolve_model_paths(cfg: Config) -> ModelPaths:
     return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 
 
+def import_libraries(cfg: Config) -> None:
+    """Import the classes that loading this config's models imports (its family's diffusers
+    pipeline; transformers' CLIP, which PickScore and the CLIP-based reward terms are), loading
+    no weights and running no torch operation."""
+    quiet_libraries()
+    import diffusers
+    import transformers
+
+    getattr(diffusers, base_family(cfg).pipeline_class)
+    for name in ("CLIPModel", "CLIPProcessor", "AutoModel", "AutoProcessor"):
+        getattr(transformers, name)
+
+
 def load_sd3_pipeline(path: str, dtype: torch.dtype, device: torch.device):
     """The real diffusers StableDiffusion3Pipeline from a local folder (safetensors only)."""
     return family_named("sd3").load(path, dtype, device)

@@ -59,6 +59,7 @@ def take_run_dir(cfg: Config, rank: int, notes: list[str]):
 
 
 def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
+    groups.name_process(info.rank)
     device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
@@ -122,8 +123,8 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
 
 def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str], endpoint: str) -> int:
     setup_logging(cfg.run_dir, topo.rank)
-    log.info("rank %d of %d (%s) on %s, launcher %s", topo.rank, topo.world_size, topo.role, topo.device,
-             topo.launcher)
+    log.info("rank %d of %d (%s) on %s, launcher %s, pid %d", topo.rank, topo.world_size, topo.role, topo.device,
+             topo.launcher, os.getpid())
     log.info("collectives bind %s (GLOO_SOCKET_IFNAME; NCCL_SOCKET_IFNAME %s); master %s",
              os.environ.get("GLOO_SOCKET_IFNAME") or "the backend's default interface",
              os.environ.get("NCCL_SOCKET_IFNAME") or "unset", endpoint)

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -209,7 +210,35 @@ class SlurmCluster:
         return shutil.which("mpirun") is not None
 
 
+# ------------------------------------------------------------------------------ short runs
+# The interrupted runs (requeue, preemption, a lost node): a cheaper step (4 samples), a
+# checkpoint every step, no periodic eval, no PNG grids; 20 steps, so that a run is still going
+# when it is interrupted at step 2. Their uninterrupted reference is one session-wide run.
+SHORT_SET = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "eval.every=0",
+             "checkpoint.every=1", "logging.sample_grid_every=0"]
+SHORT_STEPS = 20
+
+
+def local_run(run_dir, steps: int, overrides: list[str] = ()) -> str:
+    """`python -m hpcnft run tiny --steps N [--set ...] --run-dir RUN_DIR` through the local
+    spawner (no Slurm variables, even inside an allocation); fails the test on a non-zero exit."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    sets = [a for o in overrides for a in ("--set", o)]
+    p = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(steps), *sets, "--run-dir",
+                        str(run_dir)], capture_output=True, text=True, timeout=720, env=env)
+    if p.returncode != 0:
+        pytest.fail(f"reference run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return str(run_dir)
+
+
 # ------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="session")
+def short_run(hpcnft_cache, tmp_path_factory) -> str:
+    """The uninterrupted SHORT_STEPS run of SHORT_SET, through the local spawner."""
+    return local_run(tmp_path_factory.mktemp("short-run") / "run", SHORT_STEPS, SHORT_SET)
+
 
 @pytest.fixture(scope="session")
 def slurm_cluster():

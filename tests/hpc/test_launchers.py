@@ -74,13 +74,12 @@ LONG_TIMEOUT = 720         # a run with a requeue in it
 
 # tests 1-5: `hpcnft run tiny --steps 3`
 STEPS3 = TINY_STEPS
-# tests 6-9: a cheaper step (4 samples), a checkpoint every step, no periodic eval, no PNG grids.
-# 80 steps: test 7's run must still be going when Slurm's periodic check (<= ~30 s after the
-# time-limit update, made once the ranks are up) sends the signal; a tiny step takes ~0.45 s on
-# one CPU, so 40 steps could end first.
-SHORT_SET = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "eval.every=0",
-             "checkpoint.every=1", "logging.sample_grid_every=0"]
-SHORT_STEPS = 80
+# tests 6-9: the cheaper steps of SHORT_SET (conftest); 6, 8 and 9 run SHORT_STEPS (20) and are
+# compared with the session's `short_run`. Test 7 runs LONG_STEPS (80): its run must still be going
+# when Slurm's periodic check (<= ~30 s after the time-limit update, made once the ranks are up)
+# sends the signal; a tiny step takes ~0.45 s on one CPU, so 40 steps could end first.
+SHORT_SET, SHORT_STEPS = _hpc.SHORT_SET, _hpc.SHORT_STEPS
+LONG_STEPS = 80
 # test 7 without periodic checkpoints, so the signal path writes the one it resumes from
 # (checkpoint.every is one of the keys the project declares result-neutral: RESUME_MUTABLE_KEYS)
 SIGNAL_SET = [o for o in SHORT_SET if not o.startswith("checkpoint.every=")] + ["checkpoint.every=0"]
@@ -199,12 +198,9 @@ def check_attempts(run_dir, restarts: list[int], job_id: str | None, launcher: s
 
 def local_reference(tmp_path_factory, name: str, steps: int, overrides: list[str] = ()) -> str:
     """`python -m hpcnft run tiny --steps N [--set ...] --run-dir REF` through the local spawner."""
-    run_dir = tmp_path_factory.mktemp(name) / "run"
-    code, out = run_cmd([PY, "-m", "hpcnft", "run", "tiny", "--steps", str(steps), *set_args(list(overrides)),
-                         "--run-dir", run_dir], timeout=LONG_TIMEOUT, env=base_env(drop_slurm=True))
-    assert code == 0, f"reference run failed ({code}):\n{out[-6000:]}\n{diagnose(run_dir)}"
-    assert read_run(str(run_dir)).topology["launcher"] == "local"
-    return str(run_dir)
+    run_dir = _hpc.local_run(tmp_path_factory.mktemp(name) / "run", steps, overrides)
+    assert read_run(run_dir).topology["launcher"] == "local"
+    return run_dir
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -229,8 +225,13 @@ def ref3(tiny_run) -> str:
 
 
 @pytest.fixture(scope="module")
-def ref_short(tmp_path_factory) -> str:
-    return local_reference(tmp_path_factory, "ref-short", SHORT_STEPS, SHORT_SET)
+def ref_short(short_run) -> str:
+    return short_run
+
+
+@pytest.fixture(scope="module")
+def ref_long(tmp_path_factory) -> str:
+    return local_reference(tmp_path_factory, "ref-long", LONG_STEPS, SIGNAL_SET)
 
 
 @pytest.fixture
@@ -436,7 +437,7 @@ def elapsed_s(job_id: str) -> int:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
-def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_short, tmp_path, jobs):
+def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_long, tmp_path, jobs):
     """--signal=USR2@150 through Slurm's time-limit warning (see the module doc for the
     TimeLimit update that makes it fire now); the run checkpoints, requeues itself, resumes."""
     run_dir = tmp_path / "run"
@@ -447,7 +448,7 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_short
     throttle.write_text('#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then exec taskset -c 0 "$@"; fi\n'
                         'exec "$@"\n')
     throttle.chmod(0o755)
-    job = sbatch_job(slurm_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, SIGNAL_SET, cwd=tmp_path,
+    job = sbatch_job(slurm_cluster, TINY_SBATCH, run_dir, LONG_STEPS, SIGNAL_SET, cwd=tmp_path,
                      args=["--time=00:10:00", "--signal=USR2@150"],
                      extra_env={"HPCNFT_CMD": f"{shlex.quote(str(throttle))} {HPCNFT_CMD}"})
     jobs.append(job)
@@ -476,7 +477,7 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_short
     finally:
         # back to 10 minutes: the requeued attempt must not be signalled (or killed) again
         restored = _run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"])
-    assert how != "COMPLETED", f"the run ended before Slurm's signal; raise SHORT_STEPS\n{diagnose(run_dir, job)}"
+    assert how != "COMPLETED", f"the run ended before Slurm's signal; raise LONG_STEPS\n{diagnose(run_dir, job)}"
     state = wait(job, timeout=LONG_TIMEOUT)
     out = job_output(job)
     assert state == "COMPLETED", diagnose(run_dir, job)
@@ -489,7 +490,7 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_short
     step = sig[0]["step"]
     # rank 0 records the request, closes run.h5, then requeues (sacct's REQUEUED below is the outcome)
     assert req and req[0]["text"] == f"requeue of Slurm job {job} requested" and req[0]["step"] == step, data.events
-    assert 0 < step < SHORT_STEPS
+    assert 0 < step < LONG_STEPS
     # checkpoint.every=0: the checkpoint it resumed from is the one the signal path wrote
     ckpts = [e["text"] for e in data.events if e["kind"] == "checkpoint"]
     assert ckpts[0].endswith(f"step_{step:06d}"), ckpts
@@ -499,7 +500,7 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_short
     assert "REQUEUED" in states, states
     check_attempts(run_dir, [0, 1], job, "slurm")
     assert data.attempts[1]["from_step"] == step, data.attempts
-    assert_same_metrics(ref_short, str(run_dir))
+    assert_same_metrics(ref_long, str(run_dir))
     # exit 75 of the preempted ranks: srun reports it, unless Slurm's requeue killed a rank
     # first (it SIGKILLs the step right after `scontrol requeue`, while ranks shut down)
     exits = re.findall(r"srun: error: \S+: tasks? ([\d,-]+): (Exited with exit code \d+|Killed)", out)

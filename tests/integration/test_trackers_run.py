@@ -80,8 +80,8 @@ def test_killed_preempted_and_finished_starts_show_each_step_once(tmp_path):
     assert proc.returncode == 75, f"{out}\n{err}"
     stopped = int(re.search(r"preempted at step (\d+)", out).group(1))
     # start 3: to the end
-    out = hpcnft(*args).stdout
-    assert "live tracker: tensorboard --logdir" in out and "(offline)" in out
+    r = hpcnft(*args)
+    assert "live tracker: tensorboard --logdir" in r.stdout and "(offline)" in r.stdout, r.stdout + r.stderr
 
     _assert_tensorboard_matches(run_dir, [1, 2, 4, 6])
 

@@ -1,58 +1,100 @@
-"""The local spawner's exit code: the first failed rank's, however close together the ranks end."""
+"""The local spawner's exit code: the first failed rank's, however close together the ranks end;
+for ranks started as new interpreters and for ranks forked from the spawner alike."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
+import pytest
+
 from hpcnft.distributed.groups import spawn_local
+
+HOW = ["exec", "fork"]
 
 
 def role(rank):
     return "reward" if rank == 2 else "train"
 
 
-def ranks(script):
-    return (sys.executable, "-c", script)
+def spawn(script: str, how: str, **kw) -> int:
+    """spawn_local of 3 ranks running `script`: in new interpreters, or forked (the script run by
+    the entry the spawner calls in each child; an entry's return value is the rank's exit code)."""
+    if how == "exec":
+        return spawn_local([], 3, role, command=(sys.executable, "-c", script), **kw)
+
+    def entry(argv):
+        exec(compile(script, "<rank>", "exec"), {})
+        return 0
+    return spawn_local([], 3, role, entry=entry, **kw)
 
 
-def test_ranks_that_all_fail_at_once_fail_the_job(capfd):
+@pytest.mark.parametrize("how", HOW)
+def test_ranks_that_all_fail_at_once_fail_the_job(capfd, how):
     # all three exit at the same instant, as ranks do on a full disk: almost surely between two
     # of the spawner's polls
     script = f"import os, time; time.sleep(max(0.0, {time.time() + 1.5} - time.time())); os._exit(3)"
-    assert spawn_local([], 3, role, command=ranks(script)) == 3
+    assert spawn(script, how) == 3
     assert "failed: exit code 3; stopping the other ranks" in capfd.readouterr().err
 
 
-def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it():
+@pytest.mark.parametrize("how", HOW)
+def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it(how):
     script = ("import os, signal, sys, time; r = int(os.environ['RANK'])\n"
               "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
               "time.sleep(2); sys.exit(1)")
-    assert spawn_local([], 3, role, command=ranks(script)) == 128 + 9
+    assert spawn(script, how) == 128 + 9
 
 
-def test_ranks_that_all_succeed_make_a_zero_exit():
-    assert spawn_local([], 3, role, command=ranks("import sys; sys.exit(0)")) == 0
+@pytest.mark.parametrize("how", HOW)
+def test_ranks_that_all_succeed_make_a_zero_exit(how):
+    assert spawn("import sys; sys.exit(0)", how) == 0
 
 
-def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path):
+@pytest.mark.parametrize("how", HOW)
+def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path, how):
     # the run dir's lock: rank 0 reads the inherited file through the number in the variable;
     # the other ranks get neither the variable nor the descriptor
     path = tmp_path / "shared"
     path.write_text("held")
-    script = ("import os, sys; r = int(os.environ['RANK']); v = os.environ.get('LOCK_FD')\n"
-              "if r == 0: sys.exit(0 if os.pread(int(v), 4, 0) == b'held' else 5)\n"
-              "sys.exit(0 if v is None else 6)")
     with open(path, "rb") as f:
-        assert spawn_local([], 3, role, command=ranks(script), rank0_fd=("LOCK_FD", f.fileno())) == 0
+        script = ("import os, sys; r = int(os.environ['RANK']); v = os.environ.get('LOCK_FD')\n"
+                  "if r == 0: sys.exit(0 if os.pread(int(v), 4, 0) == b'held' else 5)\n"
+                  "try:\n"
+                  f"    os.fstat({f.fileno()}); sys.exit(7)\n"
+                  "except OSError:\n"
+                  "    sys.exit(0 if v is None else 6)")
+        assert spawn(script, how, rank0_fd=("LOCK_FD", f.fileno())) == 0
 
 
-def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_death(capfd):
+@pytest.mark.parametrize("how", HOW)
+def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_death(capfd, how):
     # rank 1 is killed; rank 0 notices at once and exits 1, both between two of the spawner's polls
     at = time.time() + 1.5
     script = (f"import os, signal, time; r = int(os.environ['RANK']); time.sleep(max(0.0, {at} - time.time()))\n"
               "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
               "if r == 0: time.sleep(0.01); os._exit(1)\n"
               "time.sleep(2); os._exit(1)")
-    assert spawn_local([], 3, role, command=ranks(script)) == 128 + 9
+    assert spawn(script, how) == 128 + 9
     err = capfd.readouterr().err
     assert "rank 1 (train) failed: killed by SIGKILL" in err and "rank 0" not in err
+
+
+def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(capfd):
+    def entry(argv):
+        raise RuntimeError("boom in rank " + os.environ["RANK"])
+    assert spawn_local([], 3, role, entry=entry) == 1
+    err = capfd.readouterr().err
+    assert "RuntimeError: boom in rank" in err and "Traceback" in err
+
+
+def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
+    """atexit handlers a rank registers run when it ends (libraries close their files there)."""
+    def entry(argv):
+        import atexit
+
+        rank = os.environ["RANK"]
+        atexit.register(lambda: (tmp_path / f"closed-{rank}").write_text(rank))
+        return 0
+    assert spawn_local([], 3, role, entry=entry) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1", "closed-2"]
