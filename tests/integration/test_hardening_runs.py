@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -52,14 +53,16 @@ def job_tree(pid: int) -> list[psutil.Process]:
 
 
 def listening(procs: list[psutil.Process]) -> set[tuple]:
-    """(pid, name, RANK, MASTER_PORT, ip, port) of every LISTEN socket of these processes."""
+    """(pid, name, rank, ip, port) of every LISTEN socket of these processes; rank is the N of a
+    rank's process name (hpcnft-rank-N), else None."""
     found = set()
     for p in procs:
         try:
-            env = p.environ()
+            name = p.name()
+            rank = name.rsplit("-", 1)[1] if name.startswith("hpcnft-rank-") else None
             for c in p.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN:
-                    found.add((p.pid, p.name(), env.get("RANK"), env.get("MASTER_PORT"), c.laddr.ip, c.laddr.port))
+                    found.add((p.pid, name, rank, c.laddr.ip, c.laddr.port))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return found
@@ -116,9 +119,10 @@ def test_only_the_rendezvous_port_and_gloo_ports_listen(run):
     host_ips = {ai[4][0] for ai in socket.getaddrinfo(socket.gethostname(), None)} | {"127.0.0.1"}
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         lo, hi = map(int, f.read().split())
-    rendezvous = [s for s in listens if s[2] == "0" and str(s[5]) == s[3]]
+    master = re.search(r"master \S+:(\d+)", open(os.path.join(run["run_dir"], "logs", "rank0.log")).read())
+    rendezvous = [s for s in listens if s[2] == "0" and s[4] == int(master.group(1))]
     assert len(rendezvous) == 1, listens
-    for pid, name, rank, master_port, ip, port in listens - set(rendezvous):
+    for pid, name, rank, ip, port in listens - set(rendezvous):
         assert rank in ("0", "1", "2"), f"{name} (pid {pid}, not a rank) listens on {ip}:{port}"
         assert ip in host_ips, f"rank {rank} listens on {ip}:{port}, not on the host's address"
         assert lo <= port <= hi, f"rank {rank} listens on {ip}:{port}, outside the ephemeral range {lo}-{hi}"
