@@ -15,6 +15,11 @@ test).
 `tiny_run`, `tiny_run_again`: the embedded default job, 3 steps, started once per session and
 shared by every test that only reads a finished run (see below).
 
+Parallel workers (pytest-xdist, `-n 2 --dist loadgroup`, as CI runs every tier): the tests of a
+module stay on one worker (their module fixtures run once), the hpc tests all on one (they share
+the two clusters, and one test stops and starts a node), and the session's shared runs and tiny
+model cache are made once for all workers (`shared_result`).
+
 `thread_spy`: replace a module's function by one that records the thread it runs in.
 """
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 
 import pytest
 
-from jobs import FinishedRun, start_tiny_run
+from jobs import FinishedRun, shared_result, start_tiny_run
 
 TIERS = ("slow", "hpc", "gpu")
 
@@ -49,6 +54,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.default)
+        hpc = item.get_closest_marker("hpc") is not None
+        item.add_marker(pytest.mark.xdist_group("hpc" if hpc else item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +84,7 @@ def hpcnft_cache(tmp_path_factory):
     inherit it (subprocesses, sbatch --export=ALL, submitit, srun and mpirun pass the environment
     on). An HPCNFT_CACHE already set (by the user or another fixture) is kept."""
     old = os.environ.get("HPCNFT_CACHE")
-    path = old or str(tmp_path_factory.mktemp("hpcnft-cache"))
+    path = old or shared_result(tmp_path_factory, "hpcnft-cache", str)
     os.environ["HPCNFT_CACHE"] = path
     yield path
     if old is None:
@@ -89,13 +96,13 @@ def hpcnft_cache(tmp_path_factory):
 # -- the shared tiny run (tests/jobs.py: TINY_STEPS, TINY_ARGS and why) -------------------
 @pytest.fixture(scope="session")
 def tiny_run(hpcnft_cache, tmp_path_factory) -> FinishedRun:
-    return start_tiny_run(str(tmp_path_factory.mktemp("tiny-run") / "run"))
+    return FinishedRun(*shared_result(tmp_path_factory, "tiny-run", lambda d: start_tiny_run(str(d / "run"))))
 
 
 @pytest.fixture(scope="session")
 def tiny_run_again(hpcnft_cache, tmp_path_factory) -> FinishedRun:
     """The same command once more, into another run dir (bit-identical runs)."""
-    return start_tiny_run(str(tmp_path_factory.mktemp("tiny-run-again") / "run"))
+    return FinishedRun(*shared_result(tmp_path_factory, "tiny-run-again", lambda d: start_tiny_run(str(d / "run"))))
 
 
 @pytest.fixture

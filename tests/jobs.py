@@ -1,6 +1,8 @@
 """Helpers for end-to-end runs of the tiny job as real processes (gloo on CPU)."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import h5py
@@ -177,3 +180,23 @@ def copy_run(run: FinishedRun | str, to: str, keep_checkpoints_through: int | No
             if name.startswith("step_") and int(name[5:]) > keep_checkpoints_through:
                 shutil.rmtree(os.path.join(ckpts, name))
     return to
+
+
+# -- results made once per session, whichever xdist worker asks first ------------------------
+def session_root(tmp_path_factory) -> Path:
+    """The session's temporary root, the same for every xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_result(tmp_path_factory, name: str, make):
+    """`make(folder)` run once per session whichever worker asks first, the others waiting for it
+    and getting its result (JSON) and folder."""
+    root = session_root(tmp_path_factory)
+    folder, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(folder)))
+    return json.loads(done.read_text())

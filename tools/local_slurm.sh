@@ -51,6 +51,8 @@
 #   SLURM_NODE_MEM=16000  RealMemory (MB) advertised
 #   SLURM_MIN_JOB_AGE=300 seconds a finished job stays visible to squeue/scontrol
 #   SLURM_KILL_WAIT=5     seconds between SIGTERM and SIGKILL at cancel/timeout/requeue
+#   SLURMD_TIMEOUT=60     seconds without an answer from a slurmd before its node is DOWN (a
+#                         lost node ends its jobs this much later)
 #   SLURM_CRED_EXPIRE=10  AuthInfo cred_expire; also the delay before a requeued job may start
 #                         again (Slurm's default 120 s makes requeue tests crawl)
 #   SLURM_MPI_DEFAULT=none  ("pmix" makes plain `srun` do PMIx for MPI programs)
@@ -84,6 +86,7 @@ NODE_CPUS=${SLURM_NODE_CPUS:-8}
 NODE_MEM=${SLURM_NODE_MEM:-16000}
 MIN_JOB_AGE=${SLURM_MIN_JOB_AGE:-300}
 KILL_WAIT=${SLURM_KILL_WAIT:-5}
+SLURMD_TIMEOUT_S=${SLURMD_TIMEOUT:-60}
 CRED_EXPIRE=${SLURM_CRED_EXPIRE:-10}
 MPI_DEFAULT=${SLURM_MPI_DEFAULT:-none}
 CTLD_PORT=${SLURM_CTLD_PORT:-6817}
@@ -384,7 +387,7 @@ KillWait=$KILL_WAIT
 MinJobAge=$MIN_JOB_AGE
 InactiveLimit=0
 SlurmctldTimeout=30
-SlurmdTimeout=60
+SlurmdTimeout=$SLURMD_TIMEOUT_S
 $NODE_LINES
 PartitionName=debug Nodes=$NODE_LIST Default=YES MaxTime=INFINITE State=UP
 EOF

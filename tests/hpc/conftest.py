@@ -31,6 +31,7 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -219,17 +220,37 @@ SHORT_SET = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "eval
 SHORT_STEPS = 20
 
 
-def local_run(run_dir, steps: int, overrides: list[str] = ()) -> str:
-    """`python -m hpcnft run tiny --steps N [--set ...] --run-dir RUN_DIR` through the local
-    spawner (no Slurm variables, even inside an allocation); fails the test on a non-zero exit."""
+def start_local_run(run_dir, steps: int, overrides: list[str] = ()) -> subprocess.Popen:
+    """Start `python -m hpcnft run tiny --steps N [--set ...] --run-dir RUN_DIR` through the local
+    spawner (no Slurm variables, even inside an allocation); `finish_local_run` waits for it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     sets = [a for o in overrides for a in ("--set", o)]
-    p = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(steps), *sets, "--run-dir",
-                        str(run_dir)], capture_output=True, text=True, timeout=720, env=env)
-    if p.returncode != 0:
-        pytest.fail(f"reference run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return str(run_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(steps), *sets, "--run-dir",
+                             str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    proc.run_dir = str(run_dir)
+    return proc
+
+
+def stop_local_run(proc: subprocess.Popen) -> None:
+    """Kill a run `start_local_run` started that is still going, ranks and all (its session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+
+
+def finish_local_run(proc: subprocess.Popen) -> str:
+    """The run dir of a run `start_local_run` started, once it has finished; fails the test on a
+    non-zero exit."""
+    out, _ = proc.communicate(timeout=720)
+    if proc.returncode != 0:
+        pytest.fail(f"reference run failed ({proc.returncode}):\n{out[-6000:]}")
+    return proc.run_dir
+
+
+def local_run(run_dir, steps: int, overrides: list[str] = ()) -> str:
+    return finish_local_run(start_local_run(run_dir, steps, overrides))
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -266,7 +287,7 @@ def slurm_cluster():
 MULTINODE_NODES = 3
 # the multi-node cluster's knobs for tools/local_slurm.sh: its own ports, no /etc/slurm link
 MULTINODE_KNOBS = {"HPCNFT_SLURM_NODES": str(MULTINODE_NODES), "SLURM_CTLD_PORT": "7817", "SLURM_SLURMD_PORT": "7818",
-                   "SLURM_DBD_PORT": "7819", "SLURM_MYSQL_PORT": "7830", "LINK_ETC": "0"}
+                   "SLURM_DBD_PORT": "7819", "SLURM_MYSQL_PORT": "7830", "LINK_ETC": "0", "SLURMD_TIMEOUT": "20"}
 
 
 def multinode_problem(nodes: int = MULTINODE_NODES) -> str | None:

@@ -229,10 +229,6 @@ def ref_short(short_run) -> str:
     return short_run
 
 
-@pytest.fixture(scope="module")
-def ref_long(tmp_path_factory) -> str:
-    return local_reference(tmp_path_factory, "ref-long", LONG_STEPS, SIGNAL_SET)
-
 
 @pytest.fixture
 def jobs():
@@ -437,7 +433,7 @@ def elapsed_s(job_id: str) -> int:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
-def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_long, tmp_path, jobs):
+def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, tmp_path, jobs, request):
     """--signal=USR2@150 through Slurm's time-limit warning (see the module doc for the
     TimeLimit update that makes it fire now); the run checkpoints, requeues itself, resumes."""
     run_dir = tmp_path / "run"
@@ -448,6 +444,9 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_long,
     throttle.write_text('#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then exec taskset -c 0 "$@"; fi\n'
                         'exec "$@"\n')
     throttle.chmod(0o755)
+    # the uninterrupted reference meanwhile, on the core attempt 1 leaves free
+    reference = _hpc.start_local_run(tmp_path / "reference", LONG_STEPS, SIGNAL_SET)
+    request.addfinalizer(lambda: _hpc.stop_local_run(reference))
     job = sbatch_job(slurm_cluster, TINY_SBATCH, run_dir, LONG_STEPS, SIGNAL_SET, cwd=tmp_path,
                      args=["--time=00:10:00", "--signal=USR2@150"],
                      extra_env={"HPCNFT_CMD": f"{shlex.quote(str(throttle))} {HPCNFT_CMD}"})
@@ -500,7 +499,7 @@ def test_time_limit_signal_checkpoints_requeues_resumes(slurm_cluster, ref_long,
     assert "REQUEUED" in states, states
     check_attempts(run_dir, [0, 1], job, "slurm")
     assert data.attempts[1]["from_step"] == step, data.attempts
-    assert_same_metrics(ref_long, str(run_dir))
+    assert_same_metrics(_hpc.finish_local_run(reference), str(run_dir))
     # exit 75 of the preempted ranks: srun reports it, unless Slurm's requeue killed a rank
     # first (it SIGKILLs the step right after `scontrol requeue`, while ranks shut down)
     exits = re.findall(r"srun: error: \S+: tasks? ([\d,-]+): (Exited with exit code \d+|Killed)", out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import TINY_ARGS, hpcnft
+from jobs import TINY_ARGS, hpcnft, shared_result
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -13,18 +13,20 @@ def tiny_cache(hpcnft_cache):
     return hpcnft_cache
 
 
+def finished_run(folder, recipe: str, *args: str) -> str:
+    run_dir = str(folder / "run")
+    hpcnft("run", recipe, "--steps", "3", "--run-dir", run_dir, *args)
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_fp16_run(tmp_path_factory) -> str:
     """`hpcnft run tiny_fp16 --steps 3`: its standard's command, with the overflowing first step."""
-    run_dir = str(tmp_path_factory.mktemp("tiny-fp16") / "run")
-    hpcnft("run", "tiny_fp16", "--steps", "3", "--run-dir", run_dir)
-    return run_dir
+    return shared_result(tmp_path_factory, "tiny-fp16-run", lambda d: finished_run(d, "tiny_fp16"))
 
 
 @pytest.fixture(scope="session")
 def tiny_flux_run(tmp_path_factory) -> str:
     """`hpcnft run tiny_flux --steps 3` with a checkpoint after every step: the FLUX.1 twin of
     `tiny_run`, for the FLUX job's tests and export."""
-    run_dir = str(tmp_path_factory.mktemp("tiny-flux") / "run")
-    hpcnft("run", "tiny_flux", "--steps", "3", "--run-dir", run_dir, *TINY_ARGS)
-    return run_dir
+    return shared_result(tmp_path_factory, "tiny-flux-run", lambda d: finished_run(d, "tiny_flux", *TINY_ARGS))

@@ -16,13 +16,21 @@ def hpcnft(*args, timeout=600, env=None):
                           timeout=timeout, env=env, cwd=REPO)
 
 
-@pytest.mark.slow
-def test_bench_tiny_writes_every_phase_with_ratios(tmp_path):
-    out = tmp_path / "bench.json"
-    r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--json", out,
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """`hpcnft bench --shapes tiny --baseline --profile DIR --json FILE` on the CPU: every stack,
+    every phase, and the fast stack profiled; (the result, its JSON, the profile folder)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out, prof = tmp / "bench.json", tmp / "prof"
+    r = hpcnft("bench", "--shapes", "tiny", "--baseline", "--profile", prof, "--json", out,
                env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return r, json.loads(out.read_text()), prof
+
+
+@pytest.mark.slow
+def test_bench_tiny_writes_every_phase_with_ratios(tiny_bench):
+    r, doc, _ = tiny_bench
     assert doc["schema"] == "hpcnft-bench/1" and doc["shapes"] == "tiny"
     assert doc["ceiling_tflops"] > 0
     assert not doc["errors"], doc["errors"]
@@ -49,12 +57,8 @@ def test_bench_tiny_writes_every_phase_with_ratios(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_tiny_profile_writes_tables_and_a_summary(tmp_path):
-    out, prof = tmp_path / "bench.json", tmp_path / "prof"
-    r = hpcnft("bench", "--shapes", "tiny", "--no-default", "--profile", prof, "--json", out,
-               env={"CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(out.read_text())
+def test_bench_tiny_profile_writes_tables_and_a_summary(tiny_bench):
+    _, doc, prof = tiny_bench
     assert not doc["errors"], doc["errors"]
     summary = doc["stacks"]["hpcnft_fast"]["profile"]
     assert set(summary) == {"rollout_forward", "train_pairs", "iteration"}
