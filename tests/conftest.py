@@ -1,9 +1,9 @@
 """Shared fixtures and the test tiers for the whole test tree.
 
 Tiers (README, Testing): a test marked `slow` (end-to-end tiny jobs), `hpc` (the local Slurm
-cluster; tests/hpc marks its own) or `gpu` (CUDA) runs only when asked for with `-m`; every
-other test is in the `default` tier, which a plain `python3 -m pytest` runs. `-m "default or
-slow or hpc or gpu"` runs them all (CI).
+cluster: everything under tests/hpc) or `gpu` (CUDA: everything under tests/gpu) runs only when
+asked for, with `-m` or by naming its file; every other test is in the `default` tier, which a
+plain `python3 -m pytest` runs. `-m "default or slow or hpc or gpu"` runs them all (CI).
 
 `tiny_models`: the tiny SD3.5 and PickScore folders (tiny_models.md), built once per session
 into a temporary folder with hpcnft.models.tiny.ensure_tiny_models (about 8 s on 2 cores, most of it
@@ -35,7 +35,9 @@ TIERS = ("slow", "hpc", "gpu")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "default: the default tier (every test not marked slow, hpc or gpu)")
-    if not config.option.markexpr:
+    # Without -m: a plain `pytest` (the tree of pyproject's testpaths) runs the default tier; files
+    # or tests named on the command line run whatever their tier.
+    if not config.option.markexpr and config.args_source != pytest.Config.ArgsSource.ARGS:
         config.option.markexpr = "default"
 
 

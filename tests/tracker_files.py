@@ -67,8 +67,8 @@ def wandb_history(run_folder: str) -> tuple[str, list[dict]]:
     run_id, rows = "", []
     for rec in wandb_records(path):
         kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            run_id = rec.run.run_id
+        if kind == "run":  # the run's record, and later updates of it that may leave the id unset
+            run_id = run_id or rec.run.run_id
         elif kind == "history":
             row: dict = {}
             for item in rec.history.item:

@@ -76,6 +76,7 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(code)
+    groups.teardown()  # a refused start (bad input) leaves no process group behind either
     return code
 
 

@@ -70,6 +70,9 @@ def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
         assert rank_main(cfg, launch, "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
+        import torch.distributed as dist
+
+        assert not dist.is_initialized()  # nor a process group
     finally:
         for s, h in saved.items():
             signal.signal(s, h)

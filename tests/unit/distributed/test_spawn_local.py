@@ -98,3 +98,44 @@ def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
         return 0
     assert spawn_local([], 3, role, entry=entry) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1", "closed-2"]
+
+
+def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
+    import torch
+
+    from hpcnft.common.config import load_config
+    from hpcnft.distributed.groups import ranks_can_fork
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert ranks_can_fork(load_config("tiny"))  # a torch without CUDA
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert not ranks_can_fork(load_config("tiny"))  # layout.device auto: the ranks may take a GPU
+    assert ranks_can_fork(load_config("tiny", ["layout.device=cpu"]))
+
+
+@pytest.mark.parametrize("built_here", [False, True])
+def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch, tmp_path, built_here):
+    """Building the tiny models runs torch in the spawner (an OpenMP pool a fork would hang on):
+    that start's ranks are new interpreters; every other CPU start forks them after importing
+    their libraries."""
+    import argparse
+
+    from hpcnft.cli import run as cli_run
+    from hpcnft.common.config import load_config
+    from hpcnft.distributed import groups
+
+    seen = {}
+    monkeypatch.setattr(cli_run, "tiny_models_needed", lambda cfg: built_here)
+    monkeypatch.setattr("hpcnft.models.loading.resolve_model_paths", lambda cfg: None)
+    monkeypatch.setattr(groups, "spawn_local", lambda argv, world, role_of, rank0_fd, entry: seen.update(entry=entry))
+    monkeypatch.setattr(groups, "ranks_can_fork", lambda cfg: True)
+    cfg = load_config("tiny", run_dir=str(tmp_path))
+    cli_run.spawn_ranks(cfg, argparse.Namespace(recipe="tiny", overrides=[], steps=1), rank0_fd=None)
+    from hpcnft.cli.main import main
+
+    assert seen["entry"] is (None if built_here else main)
+    if not built_here:
+        import sys
+
+        assert "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3" in sys.modules
