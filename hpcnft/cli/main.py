@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     module_name, help_ = COMMANDS[name]
+    if name == "run":  # a stop signal during the imports is kept for the job to act on
+        from hpcnft.distributed import preempt
+
+        preempt.catch_early()
     enabled = gc.isenabled()
     collector.hold_off()  # until the command's libraries and models are loaded (collector.settle)
     try:

@@ -4,9 +4,14 @@ reward terms over HTTP (hpcnft/rewards/http_protocol.py) for `remote` terms of o
 A TERM is the name of a term in the recipe's reward.terms, or a bare kind (pickscore,
 jpeg_compressibility, ...) with its default settings, the tiny model where the kind has one.
 The terms score as a reward rank of the recipe would: same determinism settings, same CPU
-thread count. SIGINT or SIGTERM stops the server; the exit code is then 0."""
+thread count. `--max-requests`, `--max-body-mib` and `--request-deadline-s` bound what clients
+may cost the server (hpcnft/rewards/http_server.py). SIGINT or SIGTERM stops the server; the
+exit code is then 0."""
 from __future__ import annotations
 
+import argparse
+import ctypes
+import math
 import os
 import signal
 import threading
@@ -15,6 +20,30 @@ from hpcnft.common.errors import UsageError
 from hpcnft.common.validation import TERM_KINDS
 
 SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
+# ScoringServer's defaults, repeated so that --help does not import torch
+MAX_REQUESTS, MAX_BODY_MIB, REQUEST_DEADLINE_S = 8, 2048, 120.0
+
+
+def whole_number(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def add_arguments(name: str, p) -> None:
@@ -31,6 +60,21 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the terms' models run")
     p.add_argument("--port-file", help="write the port here once the server listens")
+    p.add_argument("--max-requests", type=whole_number, default=MAX_REQUESTS, metavar="N",
+                   help=f"requests admitted at once, scored one at a time (default {MAX_REQUESTS}); more are "
+                        "answered 503 with Retry-After")
+    p.add_argument("--max-body-mib", type=whole_number, default=MAX_BODY_MIB, metavar="MIB",
+                   help=f"MiB of request bodies held at once (default {MAX_BODY_MIB}); a request that does not fit "
+                        "is answered 503 with Retry-After, one larger than this 413")
+    p.add_argument("--request-deadline-s", type=seconds, default=REQUEST_DEADLINE_S, metavar="S",
+                   help=f"seconds for a request's line, headers and body to arrive (default {REQUEST_DEADLINE_S:g}); "
+                        "past it the connection is closed")
+
+
+def server_limits(args) -> dict:
+    """ScoringServer's limits from the options."""
+    return {"max_requests": args.max_requests, "body_budget_bytes": args.max_body_mib << 20,
+            "request_deadline_s": args.request_deadline_s}
 
 
 def served_terms(names: list[str], cfg) -> list:
@@ -72,6 +116,21 @@ def load_terms(terms: list, cfg, device) -> dict:
     return loaded
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+LARGE_ALLOCATION_BYTES = 1 << 20
+
+
+def return_large_buffers_to_the_system() -> None:
+    """Allocate every buffer of 1 MiB or more (request bodies, their arrays) with its own mmap,
+    so that freeing it gives the memory back. glibc's default raises that threshold after each
+    such free, and from then on keeps freed bodies in its per-thread arenas: the server's memory
+    would grow well past its byte budget. A no-op where the C library has no mallopt."""
+    try:
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+
 def write_port_file(path: str, port: int) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -96,8 +155,9 @@ def main(name: str, args) -> int:
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, args.device)
     determinism.seed_globals(cfg.train.seed)  # as a reward rank of this config is seeded
     loaded = load_terms(terms, cfg, torch.device(args.device))
+    return_large_buffers_to_the_system()
     try:
-        server = ScoringServer((args.host, args.port), loaded)
+        server = ScoringServer((args.host, args.port), loaded, **server_limits(args))
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 

@@ -12,7 +12,7 @@ import time
 import sys
 
 from hpcnft.common import collector
-from hpcnft.common.errors import EXIT_BAD_INPUT, UsageError
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, UsageError
 from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_needed
 
 
@@ -98,7 +98,7 @@ def spawn(cfg, args) -> int:
 
 
 def spawn_ranks(cfg, args, rank0_fd) -> int:
-    from hpcnft.distributed import groups
+    from hpcnft.distributed import groups, preempt
 
     built_here = tiny_models_needed(cfg)
     if built_here:
@@ -118,6 +118,10 @@ def spawn_ranks(cfg, args, rank0_fd) -> int:
           flush=True)
     # Building the tiny models ran torch here: then the ranks start as new interpreters.
     entry = rank_entry(cfg) if groups.ranks_can_fork(cfg) and not built_here else None
+    early = preempt.early_signal()
+    if early:
+        print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd,
                               entry=entry)
     sys.stdout.flush()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from hpcnft.common.config import Config, ConfigError
 from hpcnft.common.errors import first_line
-from hpcnft.distributed import netif
+from hpcnft.distributed import netif, preempt
 from hpcnft.distributed.launch import LaunchInfo
 
 
@@ -167,7 +167,9 @@ def teardown() -> None:
 
 
 # -- the local spawner (no launcher in the environment) ---------------------------------
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+SPAWNER_PID_ENV = "HPCNFT_SPAWNER_PID"  # set by spawn_local for its ranks
+PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
 def free_port() -> int:
@@ -188,9 +190,24 @@ def describe_exit(code: int) -> str:
 def name_process(rank: int) -> None:
     """Name this process `hpcnft-rank-N` (Linux's comm: what ps, top and pgrep show)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(15, f"hpcnft-rank-{rank}".encode(), 0, 0, 0)  # PR_SET_NAME
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, f"hpcnft-rank-{rank}".encode(), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the name is a convenience
         pass
+
+
+def end_with_parent(parent_pid: int, signum: int = signal.SIGHUP) -> bool:
+    """Have the kernel send SIGNUM to this rank when its spawner (PARENT_PID) dies, however it
+    dies (the OOM killer's SIGKILL included): the rank then checkpoints and stops instead of
+    training on unsupervised. A spawner already gone sends it now. False where the kernel
+    cannot (not Linux)."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:  # it died before the request above was in place
+        os.kill(os.getpid(), signum)
+    return True
 
 
 def ranks_can_fork(cfg: Config) -> bool:
@@ -225,6 +242,7 @@ class ForkedRank:
             for s in FORWARDED_SIGNALS:  # the spawner's handlers are not the rank's
                 signal.signal(s, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            preempt.catch_early()  # until the rank's PreemptFlag takes over
             os.environ.clear()
             os.environ.update(env)
             code = entry(argv)
@@ -271,7 +289,7 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   HPCNFT_LAUNCHER="local")
+                   HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
         fds = ()
         if rank0_fd:
             env.pop(rank0_fd[0], None)
@@ -282,10 +300,18 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         else:
             procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
 
+    received: set[int] = set()
+
     def forward(signum, _frame):
+        received.add(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
+
+    def stopped_by_what_we_forwarded(code: int) -> bool:
+        # A rank killed by a stop signal this spawner passed on had nothing to save yet: a
+        # preemption, not a failure of that rank.
+        return code < 0 and -code in received and -code != signal.SIGINT
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     first_failure: tuple[int, int] | None = None
@@ -300,6 +326,10 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             killed_first = sorted(enumerate(codes), key=lambda rank_code: (rank_code[1] or 0) >= 0)
             for rank, code in killed_first:
                 if code not in (None, 0) and first_failure is None:
+                    if code is not None and stopped_by_what_we_forwarded(code):
+                        print(f"hpcnft: {signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it "
+                              "could checkpoint: nothing to save", file=sys.stderr, flush=True)
+                        code = preempted_code
                     first_failure = (rank, code)
                     if code != preempted_code:
                         print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "

@@ -112,7 +112,9 @@ def route_to(master_addr: str, interfaces: Mapping[str, Sequence[str]] | None = 
     return f"{shown} from interface {name or '?'} ({source}) of {socket.gethostname()}"
 
 
-_PEER_RE = re.compile(r"peer \[([^\]]+)\]")
+# gloo's wordings: "Connection closed by peer [ADDR]:PORT", "Read error [ADDR]:PORT: Connection
+# reset by peer", "Write error [ADDR]:PORT: Broken pipe"
+_PEER_RE = re.compile(r"(?:peer|Read error|Write error) \[([^\]]+)\]")
 
 
 def peers_named(text: str, hosts: Sequence[str], resolve_host=None) -> str:

@@ -2,11 +2,39 @@
 when configured) sets a flag; at the end of the iteration the ranks agree, checkpoint, close
 run.h5 and exit with EXIT_PREEMPTED; under Slurm rank 0 then requeues the job (Slurm kills the
 job's processes right after a requeue, so it comes last), unless the signal was Slurm's own
-SIGTERM: then Slurm is ending the job already and has decided what follows."""
+SIGTERM: then Slurm is ending the job already and has decided what follows.
+
+SIGHUP stops the same way without a requeue: the local spawner's ranks receive it when the
+spawner dies (groups.end_with_parent) or the terminal hangs up. A stop signal that lands
+before a rank has its flag (while it imports) is kept by `catch_early` and handed to the flag."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+
+STOP_SIGNAL = "SIGHUP"  # the spawner died, or the terminal hung up: checkpoint and stop, no requeue
+EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+_early: list[int] = []  # the first stop signal received before a PreemptFlag existed
+
+
+def _record_early(signum, _frame) -> None:
+    if not _early:
+        _early.append(signum)
+
+
+def catch_early() -> None:
+    """Keep a stop signal that arrives before the rank's PreemptFlag is made (the rank is still
+    importing): the flag then acts on it, instead of the signal's default killing the rank
+    with 128+N and nothing said."""
+    _early.clear()
+    for signum in EARLY_SIGNALS:
+        signal.signal(signum, _record_early)
+
+
+def early_signal() -> str:
+    """The name of the signal catch_early kept, or ""."""
+    return signal.Signals(_early[0]).name if _early else ""
 
 
 class PreemptFlag:
@@ -15,6 +43,7 @@ class PreemptFlag:
         self.signal_name = ""
         self.log = log
         names = [signal_name] + (["SIGTERM"] if handle_sigterm and signal_name != "SIGTERM" else [])
+        names += [STOP_SIGNAL] if STOP_SIGNAL not in names else []
         self.signals = []
         for name in names:
             try:
@@ -23,6 +52,21 @@ class PreemptFlag:
                 raise ValueError(f"preempt.signal: unknown signal {name!r}") from None
             signal.signal(signum, self._handler)
             self.signals.append(signum)
+        self._take_early()
+
+    def _take_early(self) -> None:
+        """Act on a signal catch_early kept: a flag's signal sets the flag; any other one gets
+        its default action now, as it would have had without catch_early."""
+        for signum in EARLY_SIGNALS:
+            if signum not in self.signals and signal.getsignal(signum) is _record_early:
+                signal.signal(signum, signal.SIG_DFL)
+        if not _early:
+            return
+        signum = _early.pop()
+        if signum in self.signals:
+            self._handler(signum, None)
+        else:
+            os.kill(os.getpid(), signum)
 
     def retire(self) -> None:
         """Ignore the preempt signals from now on: the rank has finished (or failed) and its exit
@@ -48,6 +92,8 @@ def leave_requeue_to_slurm(received: str, preempt_signal: str) -> str | None:
     user wants it gone), an external `scontrol requeue` or a preemption with requeue (Slurm
     requeues it), the time limit (the job is over; a time-limited job asks for the warning
     signal, `--signal=USR2@120`, to be requeued)."""
+    if received == STOP_SIGNAL and preempt_signal != STOP_SIGNAL:
+        return f"{STOP_SIGNAL}: the process that started the ranks, or their terminal, is gone; not requeued"
     if received == "SIGTERM" and preempt_signal != "SIGTERM":
         return ("SIGTERM: Slurm is ending the job (scancel, scontrol requeue, time limit or preemption); "
                 "not requeued by hpcnft")

@@ -75,6 +75,10 @@ def parse_holder(text: str) -> Holder | None:
 
 def refusal_line(run_dir: str, holder: Holder | None) -> str:
     who = holder.describe() if holder else "another process (it has not written its name yet)"
+    if holder and holder.host == socket.gethostname() and not _pid_alive(holder.pid):
+        # the lock outlives its writer only in the ranks it started, which stop once it is gone
+        return (f"run dir {run_dir} is still held by the ranks of {who}, which has ended: they stop after "
+                f"their checkpoint; start again once they have, or choose another --run-dir")
     return f"run dir {run_dir} is in use by {who}; wait for it to end or choose another --run-dir"
 
 

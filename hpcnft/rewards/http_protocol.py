@@ -13,7 +13,8 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
        (Python's repr), so float32(float64(text)) gives back the same bits.
   4xx / 5xx  application/json {"error": "one line"}
        400 bad request (not an npz of the two arrays above, wrong dtype or shape), 404 unknown
-       term, 413 body too large, 500 the term failed, 503 / 429 busy (the client retries these).
+       term, 413 body too large, 500 the term failed, 503 / 429 busy, with a Retry-After of the
+       seconds to wait (the client retries these).
   GET  /v1/health  ->  200 {"terms": [the names served]}
 
 Nothing is ever unpickled: the server reads each array as np.load(allow_pickle=False) does,

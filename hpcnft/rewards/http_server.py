@@ -1,13 +1,30 @@
 """A scoring server for reward terms, speaking http_protocol.py: POST /v1/score/<name> for each
 served term, GET /v1/health. One request is scored at a time (a lock around the terms, which
-hold models and may not be thread-safe); the others wait while their bodies are read.
+hold models and may not be thread-safe).
 
-Requests are not logged; each error answer is one line through `log`."""
+What clients may cost the server is bounded:
+- a POST's path, term, Content-Type and Content-Length are checked before any of its body is
+  read; a refused one is answered at once (`Connection: close`) and its body then read and
+  dropped 64 KiB at a time, so that the client sees the answer rather than a reset;
+- at most `max_requests` requests are admitted at once, and their bodies (Content-Length) add up
+  to at most `body_budget_bytes`; a request that does not fit within `busy_wait_s` is answered
+  503 with Retry-After, one larger than the whole budget 413. While its body is decoded a request
+  holds about twice its body (the body and its arrays);
+- one connection is one request (HTTP/1.0), whose request line, headers and body must all
+  arrive within `request_deadline_s`; past it the connection is closed, with one line logged;
+- the listen backlog is 128, so a burst of clients waits to be accepted rather than being reset.
+
+Requests are not logged; each error answer is one line through `log`, with what the client
+sent escaped (printable ASCII only) and cut short."""
 from __future__ import annotations
 
+import io
 import json
+import math
+import socket
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -19,20 +36,117 @@ from hpcnft.common.errors import first_line
 from hpcnft.rewards.http_protocol import (CONTENT_TYPE, HEALTH_PATH, MAX_BODY_BYTES, SCORE_PREFIX, ProtocolError,
                                           decode_request, encode_scores, error_body)
 
-BODY_TIMEOUT_S = 120.0  # a client that stops sending mid-body releases its thread after this
+MAX_REQUESTS = 8
+BODY_BUDGET_BYTES = 2 << 30
+REQUEST_DEADLINE_S = 120.0
+BUSY_WAIT_S = 1.0
+RETRY_AFTER_S = 1
+DISCARD_CHUNK = 64 << 10
+LOG_FIELD_CHARS = 200  # of a request's method and path in a log line
+LOG_TEXT_CHARS = 500  # of an error's text in a log line
 
 
 def stderr_line(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def printable(text: str, limit: int = LOG_FIELD_CHARS) -> str:
+    """`text` with everything but printable ASCII escaped (\\x1b, \\n, \\\\, \\u2028, ...) and cut
+    to `limit` characters: what a client sent reaches a terminal or a log as data, never as codes."""
+    shown, size = [], 0
+    for char in text[:limit]:
+        escaped = char.encode("unicode_escape").decode("ascii")
+        if size + len(escaped) > limit:
+            break
+        shown.append(escaped)
+        size += len(escaped)
+    return "".join(shown) if len(shown) == len(text) else f"{''.join(shown)}... ({len(text)} characters)"
+
+
+class DeadlinePassed(Exception):
+    """A request's deadline passed before its request line, headers and body had arrived."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's reads, each waiting only for what is left of one deadline: a client sending a
+    byte now and then holds its connection no longer than the deadline in all."""
+
+    def __init__(self, sock: socket.socket, deadline: float, write_timeout_s: float):
+        self.sock, self.deadline, self.write_timeout_s = sock, deadline, write_timeout_s
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        except TimeoutError:
+            raise DeadlinePassed from None
+        finally:
+            self.sock.settimeout(self.write_timeout_s)
+
+
+class Admission:
+    """At most `max_requests` requests at once, holding at most `max_bytes` of bodies together."""
+
+    def __init__(self, max_requests: int, max_bytes: int):
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        self.requests = self.bytes = self.waiting = 0
+        self.changed = threading.Condition()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.requests < self.max_requests and self.bytes + nbytes <= self.max_bytes
+
+    def enter(self, nbytes: int, wait_s: float) -> bool:
+        """Take a place and reserve `nbytes`, waiting up to `wait_s` for them; False if they never fit."""
+        with self.changed:
+            self.waiting += 1
+            try:
+                if not self.changed.wait_for(lambda: self._fits(nbytes), timeout=wait_s):
+                    return False
+            finally:
+                self.waiting -= 1
+            self.requests += 1
+            self.bytes += nbytes
+            return True
+
+    def leave(self, nbytes: int) -> None:
+        with self.changed:
+            self.requests -= 1
+            self.bytes -= nbytes
+            self.changed.notify_all()
+
+
+def check_limits(max_requests: int, body_budget_bytes: int, request_deadline_s: float, busy_wait_s: float) -> None:
+    if max_requests < 1:
+        raise ValueError(f"max_requests must be at least 1, got {max_requests}")
+    if body_budget_bytes < 1:
+        raise ValueError(f"body_budget_bytes must be at least 1, got {body_budget_bytes}")
+    if not (math.isfinite(request_deadline_s) and request_deadline_s > 0):
+        raise ValueError(f"request_deadline_s must be a positive number of seconds, got {request_deadline_s}")
+    if not (math.isfinite(busy_wait_s) and busy_wait_s >= 0):
+        raise ValueError(f"busy_wait_s must be a number of seconds >= 0, got {busy_wait_s}")
+
+
 class ScoringServer(ThreadingHTTPServer):
-    """Serves `terms` (name -> term) on `address` ((host, port); port 0 picks a free one)."""
+    """Serves `terms` (name -> term) on `address` ((host, port); port 0 picks a free one), within
+    the limits above."""
 
     daemon_threads = True
+    request_queue_size = 128  # socketserver's 5 resets the clients beyond a handful arriving together
 
-    def __init__(self, address: tuple[str, int], terms: dict, log=stderr_line):
+    def __init__(self, address: tuple[str, int], terms: dict, log=stderr_line, *, max_requests: int = MAX_REQUESTS,
+                 body_budget_bytes: int = BODY_BUDGET_BYTES, request_deadline_s: float = REQUEST_DEADLINE_S,
+                 busy_wait_s: float = BUSY_WAIT_S):
+        check_limits(max_requests, body_budget_bytes, request_deadline_s, busy_wait_s)
         self.terms, self.log = dict(terms), log
+        self.request_deadline_s, self.busy_wait_s = request_deadline_s, busy_wait_s
+        self.max_request_bytes = min(MAX_BODY_BYTES, body_budget_bytes)
+        self.admission = Admission(max_requests, body_budget_bytes)
         self.score_lock = threading.Lock()
         super().__init__(address, ScoreHandler)
 
@@ -50,27 +164,45 @@ class ScoringServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address) -> None:
         # The client went away mid-answer (it timed out, say): one line, not a traceback.
-        self.log(f"reward server: connection from {client_address[0]}: {first_line(sys.exc_info()[1])}")
+        reason = printable(first_line(sys.exc_info()[1]), LOG_TEXT_CHARS)
+        self.log(f"reward server: connection from {client_address[0]}: {reason}")
 
 
 class ScoreHandler(BaseHTTPRequestHandler):
     server: ScoringServer
-    timeout = BODY_TIMEOUT_S
+
+    def setup(self) -> None:
+        self.timeout = self.server.request_deadline_s  # bounds each write; the reads share one deadline
+        super().setup()
+        self.rfile.close()
+        deadline = time.monotonic() + self.server.request_deadline_s
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection, deadline, self.timeout))
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except DeadlinePassed:
+            self.close_connection = True
+            self.server.log(f"reward server: connection from {self.client_address[0]}: request deadline of "
+                            f"{self.server.request_deadline_s:g} s passed; closed")
 
     def log_message(self, format: str, *args) -> None:
         pass  # no line per request; _error logs each error answer
 
-    def _answer(self, status: int, body: bytes) -> None:
+    def _answer(self, status: int, body: bytes, headers: dict | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")  # one request per connection
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(body)
 
-    def _error(self, status: int, text: str) -> None:
-        what = f"{self.command} {self.path}" if self.command else "a malformed request"
-        self.server.log(f"reward server: {what}: {int(status)} {text}")
-        self._answer(status, error_body(text))
+    def _error(self, status: int, text: str, headers: dict | None = None) -> None:
+        what = f"{printable(self.command)} {printable(self.path)}" if self.command else "a malformed request"
+        self.server.log(f"reward server: {what}: {int(status)} {printable(text, LOG_TEXT_CHARS)}")
+        self._answer(status, error_body(text), headers)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals (malformed request line, unknown method) as JSON too."""
@@ -83,53 +215,93 @@ class ScoreHandler(BaseHTTPRequestHandler):
         self._answer(HTTPStatus.OK, json.dumps({"terms": list(self.server.terms)}).encode())
 
     def do_POST(self) -> None:
-        # The body is read before anything else is looked at: closing a connection with unread
-        # data resets it, and the client would see a reset instead of the answer.
-        body = self._read_body()
-        if body is None:
-            return
+        refusal = self._refusal()
+        if refusal is not None:
+            return self._refuse(*refusal)
+        name, length = self._term_name(), self._content_length()
+        if not self.server.admission.enter(length, self.server.busy_wait_s):
+            admission = self.server.admission
+            return self._refuse(HTTPStatus.SERVICE_UNAVAILABLE,
+                                f"busy (at most {admission.max_requests} requests, {admission.max_bytes} bytes "
+                                f"of bodies at once); retry after {RETRY_AFTER_S} s",
+                                {"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            self._score_request(name, length)
+        finally:
+            self.server.admission.leave(length)
+
+    def _term_name(self) -> str | None:
         path = urlsplit(self.path).path
-        name = path[len(SCORE_PREFIX):] if path.startswith(SCORE_PREFIX) else None
+        return path[len(SCORE_PREFIX):] if path.startswith(SCORE_PREFIX) else None
+
+    def _content_length(self) -> int | None:
+        """The declared length of the body; None if there is none (or it is chunked)."""
+        text = (self.headers.get("Content-Length") or "").strip()
+        if self.headers.get("Transfer-Encoding") or not (text.isascii() and text.isdigit()):
+            return None
+        return int(text)
+
+    def _refusal(self) -> tuple[int, str] | None:
+        """Why this POST is refused on its head alone, or None."""
+        if self.headers.get("Transfer-Encoding"):
+            return HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked"
+        name = self._term_name()
         if name is None:
-            return self._error(HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)")
+            return HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)"
         if name not in self.server.terms:
-            return self._error(HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving "
-                                                     f"{', '.join(self.server.terms)})")
+            return HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving {', '.join(self.server.terms)})"
         if self.headers.get_content_type() != CONTENT_TYPE:
-            return self._error(HTTPStatus.BAD_REQUEST, f"Content-Type must be {CONTENT_TYPE}, "
-                                                       f"got {self.headers.get('Content-Type')!r}")
+            return HTTPStatus.BAD_REQUEST, (f"Content-Type must be {CONTENT_TYPE}, "
+                                            f"got {self.headers.get('Content-Type')!r}")
+        length = self._content_length()
+        if length is None:
+            return HTTPStatus.BAD_REQUEST, "a Content-Length is required"
+        if length > self.server.max_request_bytes:
+            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (f"body of {length} bytes is more than "
+                                                         f"{self.server.max_request_bytes} bytes")
+        return None
+
+    def _refuse(self, status: int, text: str, headers: dict | None = None) -> None:
+        """Answer without reading the body, then read and drop it: closing a connection with
+        unread data resets it, and the client would see the reset instead of the answer."""
+        self._error(status, text, headers)
+        self._discard(self._body_left())
+
+    def _body_left(self) -> int:
+        if self.headers.get("Transfer-Encoding"):
+            return MAX_BODY_BYTES  # chunked: whatever comes until the client closes, within the deadline
+        return self._content_length() or 0
+
+    def _discard(self, nbytes: int) -> None:
+        while nbytes > 0:
+            chunk = self.rfile.read1(min(DISCARD_CHUNK, nbytes))
+            if not chunk:
+                return
+            nbytes -= len(chunk)
+
+    def _score_request(self, name: str, length: int) -> None:
+        request = self._read_request(length)
+        if request is None:
+            return
         try:
-            prompts, images = decode_request(body)
-        except ProtocolError as e:
-            return self._error(HTTPStatus.BAD_REQUEST, str(e))
-        try:
-            answer = self.server.score(name, prompts, images)
+            answer = self.server.score(name, *request)
         except Exception as e:  # noqa: BLE001 - the client gets the reason, the server serves on
             return self._error(HTTPStatus.INTERNAL_SERVER_ERROR,
                                f"term {name!r} failed: {type(e).__name__}: {first_line(e)}")
         self._answer(HTTPStatus.OK, answer)
 
-    def _read_body(self) -> bytes | None:
-        """The request's body, or None after answering why not."""
-        if self.headers.get("Transfer-Encoding"):
-            self._error(HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked")
-            return None
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            length = -1
-        if length < 0:
-            self._error(HTTPStatus.BAD_REQUEST, "a Content-Length is required")
-            return None
-        if length > MAX_BODY_BYTES:
-            self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes is more than "
-                                                             f"{MAX_BODY_BYTES} bytes")
-            return None
+    def _read_request(self, length: int) -> tuple[list[str], np.ndarray] | None:
+        """(prompts, images) from the body, or None after answering why not. The body is dropped
+        on return: the request waits to be scored holding its arrays only."""
         body = self.rfile.read(length)
         if len(body) != length:
             self._error(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes")
             return None
-        return body
+        try:
+            return decode_request(body)
+        except ProtocolError as e:
+            self._error(HTTPStatus.BAD_REQUEST, str(e))
+            return None
 
 
 def serve_in_thread(server: ThreadingHTTPServer, poll_interval: float = 0.05) -> threading.Thread:

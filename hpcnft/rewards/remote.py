@@ -2,12 +2,16 @@
 judges with their own dependencies (GenEval, OCR, VLMs) run in their own environment, or
 another host, and hpcnft depends on none of them.
 
-A request that may succeed on a second try (connection refused or reset, a timeout, 5xx, 429)
-is retried `retries` times with exponential backoff; any other answer fails at once. Every
-failure is one RemoteRewardError line naming the term and its URL."""
+An attempt (connect, send the request, read the whole answer) has `timeout_s` in all, however
+slowly the server trickles its answer, and reads at most a bound that n scores need; redirects
+are refused, as following one would turn the POST into a GET. A request that may succeed on a
+second try (connection refused or reset, a timeout, 5xx, 429) is retried `retries` times with
+exponential backoff; any other answer fails at once. Every failure is one RemoteRewardError
+line naming the term and its URL."""
 from __future__ import annotations
 
 import http.client
+import io
 import socket
 import time
 import urllib.error
@@ -23,6 +27,12 @@ from hpcnft.rewards.http_protocol import (CONTENT_TYPE, MAX_BODY_BYTES, Protocol
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
+# An answer's bound: a float32 as its shortest float64 decimal is at most 23 characters, so 64
+# per score leaves room for separators and indentation, 4096 for the rest of the JSON.
+ANSWER_BYTES_PER_SCORE = 64
+ANSWER_SLACK_BYTES = 4096
+ERROR_BODY_BYTES = 65536  # what is read of an error answer, for its one-line reason
+READ_BYTES = 65536
 
 
 class RemoteRewardError(RuntimeError):
@@ -38,10 +48,116 @@ def backoff_s(attempt: int) -> float:
     return min(BACKOFF_START_S * 2 ** attempt, BACKOFF_MAX_S)
 
 
+def max_answer_bytes(n: int) -> int:
+    """The most bytes the JSON answer for n scores may take."""
+    return ANSWER_BYTES_PER_SCORE * n + ANSWER_SLACK_BYTES
+
+
+class Deadline:
+    """The end of an attempt: `left()` is the time until it, TimeoutError once it has passed."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the attempt's deadline passed")
+        return left
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Reads of a socket, each waiting at most until the deadline (a socket timeout alone
+    restarts with every byte that arrives)."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline):
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+        self._io = sock.makefile("rb", buffering=0)  # holds the socket open while the answer is read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        self._sock.settimeout(self._deadline.left())
+        return self._io.readinto(buffer)
+
+    def close(self) -> None:
+        self._io.close()
+        super().close()
+
+
+class _DeadlineSocket:
+    """A connected socket as http.client uses it (sendall, makefile, close), every send and
+    read bounded by the deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline):
+        self._sock, self._deadline = sock, deadline
+
+    def sendall(self, data) -> None:
+        self._sock.settimeout(self._deadline.left())  # sendall's timeout covers all of it
+        self._sock.sendall(data)
+
+    def makefile(self, mode: str = "rb", *args, **kwargs):
+        if mode != "rb":
+            raise ValueError(f"mode {mode!r}: only 'rb'")
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class _DeadlineHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args, deadline: Deadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = self.deadline.left()
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self.deadline)
+
+
+class _DeadlineHTTPSConnection(_DeadlineHTTPConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(_DeadlineHTTPConnection, req, deadline=self.deadline)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: Deadline):
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(_DeadlineHTTPSConnection, req, deadline=self.deadline, context=self._context)
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # the 3xx reaches the caller as an HTTPError
+
+
+def _opener(deadline: Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener (so http_proxy and no_proxy apply as before), bounded by `deadline`,
+    following no redirect."""
+    return urllib.request.build_opener(_NoRedirects(), _HTTPHandler(deadline), _HTTPSHandler(deadline))
+
+
 def _network_reason(e: BaseException, timeout_s: float) -> str:
     reason = e.reason if isinstance(e, urllib.error.URLError) else e
     if isinstance(reason, (TimeoutError, socket.timeout)):
-        return f"timed out (timeout_s {timeout_s:g})"
+        return f"timed out: no whole answer within {timeout_s:g} s (timeout_s)"
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused"
     if isinstance(reason, ConnectionResetError):
@@ -60,17 +176,38 @@ class RemoteTerm:
     def _fail(self, reason: str) -> RemoteRewardError:
         return RemoteRewardError(f"reward term {self.name!r} (remote {self.url}): {reason}")
 
+    def _read_answer(self, response, n: int) -> bytes:
+        """The answer's body, refused (at once, without reading it) when longer than n scores need."""
+        bound = max_answer_bytes(n)
+        if response.length is not None and response.length > bound:
+            raise self._fail(f"an answer of {response.length} bytes (Content-Length) is more than {n} scores "
+                             f"need (at most {bound})")
+        parts, size = [], 0
+        while chunk := response.read(min(READ_BYTES, bound + 1 - size)):
+            parts.append(chunk)
+            size += len(chunk)
+            if size > bound:
+                raise self._fail(f"an answer of more than {bound} bytes is more than {n} scores need")
+        return b"".join(parts)
+
     def _attempt(self, body: bytes, n: int) -> np.ndarray:
         request = urllib.request.Request(self.url, data=body, method="POST",
                                          headers={"Content-Type": CONTENT_TYPE, "Accept": "application/json"})
+        deadline = Deadline(self.timeout_s)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                status, answer = response.status, response.read()
+            with _opener(deadline).open(request, timeout=self.timeout_s) as response:
+                status, answer = response.status, self._read_answer(response, n)
         except urllib.error.HTTPError as e:
+            if 300 <= e.code < 400:
+                location = " ".join(str(e.headers.get("Location", "")).split())[:200]
+                raise self._fail(f"HTTP {e.code} redirect to {location!r} refused (a redirect would turn the "
+                                 f"POST into a GET): set url to the scoring endpoint itself") from None
             try:
-                detail = error_text(e.read())
+                detail = error_text(e.read(ERROR_BODY_BYTES))
             except (OSError, http.client.HTTPException):
                 detail = ""
+            finally:
+                e.close()
             reason = f"HTTP {e.code}" + (f" ({detail})" if detail else "")
             if e.code >= 500 or e.code == 429:
                 raise Retriable(reason) from None

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
 from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, UsageError, one_line
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, UsageError, one_line
 from hpcnft.distributed import groups
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.preempt import PreemptFlag
@@ -65,6 +65,8 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    if os.environ.get(groups.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
+        groups.end_with_parent(int(os.environ[groups.SPAWNER_PID_ENV]))
     try:
         code = _rank_main(cfg, info, recipe, flag)
     finally:
@@ -80,8 +82,18 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     return code
 
 
+def stopped_before_start(flag: PreemptFlag, rank: int) -> bool:
+    """A stop signal that came before the job began (while the rank imported or built the tiny
+    models): there is nothing to checkpoint, so the rank leaves as a preempted one."""
+    if flag.requested and rank == 0:
+        print_err(f"{flag.signal_name} before the job started: nothing to save")
+    return flag.requested
+
+
 def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
+    if stopped_before_start(flag, info.rank):
+        return EXIT_PREEMPTED
     try:  # under a launcher no preflight ran: every rank refuses before the rendezvous, rank 0 says why
         check_trackers(cfg)
     except UsageError as e:
@@ -98,6 +110,8 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
     except BAD_INPUT as e:
         print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
+    if stopped_before_start(flag, info.rank):
+        return EXIT_PREEMPTED
     try:
         topo, group, mesh = groups.setup(cfg, info)
     except ConfigError as e:

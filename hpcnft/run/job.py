@@ -61,6 +61,7 @@ class TrainJob:
         self.writer = None
         self.warnings: list[str] = []
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
+        self.step = 0  # the step under way (0: before the first), for the step of an error event
         self.last_checkpoint = ""
         self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
         self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
@@ -221,6 +222,7 @@ class TrainJob:
     def run(self) -> int:
         cfg, tr, topo = self.cfg, self.tr, self.topo
         start_step = self.resume()
+        self.step = start_step
         if topo.rank == 0:
             self.open_run_file(start_step)
             self.warn_truncated_prompts(start_step)
@@ -236,6 +238,7 @@ class TrainJob:
             self.say(f"{cfg.run_dir} already finished at step {start_step}; nothing to run "
                      f"(--steps N with N > {start_step} continues it)")
         for step in range(start_step + 1, cfg.steps + 1):
+            self.step = step
             metrics, ro = tr.iteration(step)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
                 metrics.update(tr.evaluate())
@@ -288,7 +291,7 @@ def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePl
     except BaseException as e:
         if job.writer:
             try:
-                job.writer.event(0, "error", fail_line(topo, e))
+                job.writer.event(job.step, "error", fail_line(topo, e))
             except Exception:  # noqa: BLE001 - the original error matters more
                 pass
         if not isinstance(e, RewardServiceError):

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from hpcnft.common.config import Config, ConfigError, differing_keys, flatten
+from hpcnft.common.config import (
+    Config,
+    ConfigError,
+    config_changes,
+    describe_changes,
+    warned_on_resume,
+)
 from hpcnft.common.errors import one_line
 from hpcnft.io import checkpoint, run_state
 from hpcnft.io.runfile import RunFileError, read_run
@@ -50,20 +56,29 @@ def agree_plan(cfg: Config, rank: int) -> ResumePlan:
     return plan
 
 
-def _check_config(cfg: Config, run_dir: str, path: str) -> None:
-    stored = checkpoint.read_json(path, "config.json")
-    diff = differing_keys(stored, cfg.to_dict())
-    if diff:
-        flat_old, flat_new = flatten(stored), flatten(cfg.to_dict())
-        detail = ", ".join(f"{k} ({flat_old.get(k)!r} -> {flat_new.get(k)!r})" for k in diff)
-        raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in {detail}")
+def _check_config(cfg: Config, run_dir: str, path: str) -> str:
+    """Refuse (ConfigError naming each key) a config that differs from checkpoint `path`'s in
+    what is scored or trained; the warning about the settings that may change (where and how
+    patiently a remote term asks), "" when none did."""
+    changes = config_changes(checkpoint.read_json(path, "config.json"), cfg.to_dict())
+    refused = [c for c in changes if not warned_on_resume(c.key)]
+    if refused:
+        raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in "
+                          f"{describe_changes(refused)}")
+    if not changes:
+        return ""
+    return (f"resuming with settings changed since checkpoint {path}: {describe_changes(changes)} (a remote "
+            f"term's endpoint must score as the old one did for the run to stay comparable)")
 
 
 def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
-    """The checkpoint to resume from, refusing one whose config differs (ConfigError)."""
+    """The checkpoint to resume from, refusing one whose config differs (ConfigError); `warn`
+    gets the checkpoints skipped and the settings that changed where they may."""
     found = checkpoint.latest_usable(run_dir, warn)
     if found is not None:
-        _check_config(cfg, run_dir, found[1])
+        changed = _check_config(cfg, run_dir, found[1])
+        if changed:
+            warn(changed)
     return found
 
 
@@ -102,14 +117,17 @@ def _rebuild_source(run_dir: str, found: tuple[int, str]):
 def plan_resume(cfg: Config, run_dir: str, warn) -> ResumePlan:
     """Where the run resumes and whether run.h5 is rebuilt first. Raises ConfigError (another
     config) and RunFileLostError (run.h5 unusable, nothing to rebuild it from)."""
-    found = check_resumable(cfg, run_dir, warn)
+    found = checkpoint.latest_usable(run_dir, warn)
     if found is None:
         return ResumePlan(None)
+    changed = _check_config(cfg, run_dir, found[1])
     source, skipped = _rebuild_source(run_dir, found)
     run_id = read_run(run_state.run_state_path(source[1])).attrs.get(run_state.RUN_ID) if source else None
     run_h5 = os.path.join(run_dir, "run.h5")
     why, tag = run_file_trouble(run_h5, run_id, found[0])
     if not why:
+        if changed:
+            warn(changed)
         return ResumePlan(found)
     if source is None:
         reason = f" ({skipped[0][1]})" if skipped else ""
@@ -118,6 +136,8 @@ def plan_resume(cfg: Config, run_dir: str, warn) -> ResumePlan:
                                f"--run-dir")
     for path, reason in skipped:
         warn(f"skipping checkpoint {path} for rebuilding run.h5: {reason}")
-    if source != found:
-        _check_config(cfg, run_dir, source[1])
+    if source != found:  # the settings changed are those since the checkpoint resumed from
+        changed = _check_config(cfg, run_dir, source[1])
+    if changed:
+        warn(changed)
     return ResumePlan(source, why, tag)

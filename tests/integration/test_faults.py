@@ -1,4 +1,5 @@
-"""A dead rank ends the whole job, naming the rank; nothing written is lost."""
+"""A dead rank ends the whole job, naming the rank; nothing written is lost. A dead spawner
+leaves no rank behind; a stop signal before the job began is a preemption with nothing saved."""
 from __future__ import annotations
 
 import os
@@ -6,7 +7,9 @@ import signal
 
 import pytest
 
-from jobs import rank_pids, start, wait_for_line
+import psutil
+
+from jobs import TINY_ARGS, TINY_STEPS, assert_same_metrics, copy_run, hpcnft, rank_pids, start, wait_for_line
 from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
@@ -25,3 +28,51 @@ def test_killing_a_rank_ends_the_job_naming_it(tmp_path, victim, role):
     run = read_run(run_dir)  # readable, and every row written before the fault is still there
     assert run.metrics["train/nft_loss"].shape[0] >= rows_before
     assert run.metrics["train/nft_loss"][:, 0].tolist()[:2] == [1.0, 2.0]
+    # the failure is recorded at the step it happened in, the one after the last row or that row
+    last = int(run.metrics["train/nft_loss"][-1, 0])
+    errors = [e["step"] for e in run.events if e["kind"] == "error"]
+    assert errors and all(last <= step <= last + 1 for step in errors), (last, errors)
+
+
+def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_a_killed_spawner_leaves_no_rank_and_the_run_resumes_bit_for_bit(tmp_path, tiny_run):
+    """The OOM killer's SIGKILL of `hpcnft run`: its ranks hear of it (SIGHUP), checkpoint the
+    step under way and leave, well within layout.timeout_s; the next start takes the run dir and
+    ends with the uninterrupted run's bits."""
+    import time
+
+    run_dir = copy_run(tiny_run, str(tmp_path / "orphaned"), keep_checkpoints_through=1)
+    proc = start("run", "tiny", "--steps", str(TINY_STEPS), "--run-dir", run_dir, *TINY_ARGS)
+    wait_for_line(proc, "hpcnft: resuming after step 1")
+    ranks = [psutil.Process(pid) for pid in rank_pids(proc.pid).values()]
+    assert len(ranks) == 3
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 300  # layout.timeout_s is 600
+    while still_running(ranks):
+        assert time.monotonic() < deadline, f"ranks left running: {still_running(ranks)}"
+        time.sleep(0.1)
+    stops = [e for e in read_run(run_dir).events if e["kind"] == "signal"]
+    assert stops and stops[-1]["text"].startswith("SIGHUP: checkpointed step"), stops
+    again = hpcnft("run", "tiny", "--steps", str(TINY_STEPS), "--run-dir", run_dir, *TINY_ARGS)
+    assert "in use" not in again.stderr
+    assert_same_metrics(tiny_run.run_dir, run_dir)
+
+
+def test_a_stop_signal_before_the_job_began_is_a_preemption_with_nothing_saved(tmp_path):
+    proc = start("run", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "early"))
+    wait_for_line(proc, "hpcnft: run dir")  # the spawner starts its ranks: they are importing
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out + err
+    assert "nothing to save" in err and "failed" not in err and "Traceback" not in err, err

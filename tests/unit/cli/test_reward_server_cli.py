@@ -1,11 +1,14 @@
-"""`hpcnft reward-server`'s input: which terms a TERM names, and bad input as one line, exit 2."""
+"""`hpcnft reward-server`'s input: which terms a TERM names, the server's limits, and bad input
+as one line, exit 2."""
 from __future__ import annotations
 
 import pytest
 
-from hpcnft.cli.main import main
-from hpcnft.cli.reward_server import served_terms
+from hpcnft.cli import reward_server
+from hpcnft.cli.main import OneLineParser, main
+from hpcnft.cli.reward_server import served_terms, server_limits
 from hpcnft.common.config import load_config
+from hpcnft.rewards import http_server
 
 TERMS = 'reward.terms=[{kind="pickscore", name="ps", model_dir="/models/ps"}, {kind="remote", name="ocr", ' \
         'url="http://h:1/v1/score/ocr"}]'
@@ -22,7 +25,8 @@ def test_help_lists_the_kinds(capsys):
         main(["reward-server", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
-    for word in ("TERM", "--recipe", "--set", "--host", "--port", "--device", "--port-file", "jpeg_compressibility"):
+    for word in ("TERM", "--recipe", "--set", "--host", "--port", "--device", "--port-file", "jpeg_compressibility",
+                 "--max-requests", "--max-body-mib", "--request-deadline-s", "503"):
         assert word in out
 
 
@@ -55,3 +59,35 @@ def test_a_missing_model_folder_is_one_line_naming_the_term(capsys, tmp_path):
     missing = str(tmp_path / "absent")
     code, _, err = run(["pickscore", "--set", f'reward.terms=[{{kind="pickscore", model_dir="{missing}"}}]'], capsys)
     assert code == 2 and err.count("\n") == 1 and "term 'pickscore'" in err and missing in err
+
+
+def parsed(argv: list[str]):
+    parser = OneLineParser(prog="hpcnft reward-server")
+    reward_server.add_arguments("reward-server", parser)
+    return parser.parse_args(argv)
+
+
+def test_the_limits_reach_the_server_and_default_to_its_own():
+    assert server_limits(parsed(["jpeg_compressibility", "--max-requests", "3", "--max-body-mib", "5",
+                                 "--request-deadline-s", "2.5"])) == \
+        {"max_requests": 3, "body_budget_bytes": 5 << 20, "request_deadline_s": 2.5}
+    assert server_limits(parsed(["jpeg_compressibility"])) == \
+        {"max_requests": http_server.MAX_REQUESTS, "body_budget_bytes": http_server.BODY_BUDGET_BYTES,
+         "request_deadline_s": http_server.REQUEST_DEADLINE_S}
+
+
+@pytest.mark.parametrize("option,value,needle", [
+    ("--max-requests", "0", "must be a whole number >= 1, got '0'"),
+    ("--max-requests", "two", "must be a whole number >= 1, got 'two'"),
+    ("--max-body-mib", "-1", "must be a whole number >= 1, got '-1'"),
+    ("--max-body-mib", "1.5", "must be a whole number >= 1, got '1.5'"),
+    ("--request-deadline-s", "0", "must be a number of seconds > 0, got '0'"),
+    ("--request-deadline-s", "nan", "must be a number of seconds > 0, got 'nan'"),
+    ("--request-deadline-s", "inf", "must be a number of seconds > 0, got 'inf'"),
+])
+def test_a_bad_limit_is_one_line_and_exit_2(capsys, option, value, needle):
+    with pytest.raises(SystemExit) as e:
+        main(["reward-server", "jpeg_compressibility", option, value])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"hpcnft reward-server: error: argument {option}: {needle}")

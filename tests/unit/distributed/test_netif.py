@@ -80,6 +80,11 @@ def test_a_peer_address_in_an_error_is_named_by_its_rank_and_host():
     assert netif.peers_named("closed by peer [fd00::13]:1", hosts, table.get) == "node3 (ranks 2, 3)"
     assert netif.peers_named("closed by peer [10.9.9.9]:1", hosts, table.get) == ""
     assert netif.peers_named("Timed out waiting", hosts, table.get) == ""
+    # a peer that vanished mid-read (its node lost): gloo names it after "Read error"
+    reset = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+             "[10.213.0.13]:56513: Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert netif.peers_named(reset, hosts, table.get) == "node3 (ranks 2, 3)"
+    assert netif.peers_named("Write error [10.213.0.12]:7: Broken pipe", hosts, table.get) == "node2 (rank 1)"
 
 
 def test_a_failure_across_nodes_names_this_ranks_host_and_the_lost_peer(monkeypatch):

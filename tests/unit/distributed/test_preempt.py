@@ -108,3 +108,67 @@ def test_a_preempt_signal_is_kept_when_its_log_line_fails():
         assert flag.requested and flag.signal_name == "SIGUSR2"
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+_EARLY = r"""
+import logging, os, signal, sys
+from hpcnft.distributed import preempt
+preempt.catch_early()
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))  # lands while the rank would be importing
+flag = preempt.PreemptFlag("SIGUSR2", sys.argv[2] == "handle", logging.getLogger("t"))
+print(flag.requested, flag.signal_name)
+"""
+
+
+@pytest.mark.parametrize("sig,handle,out,code", [("SIGTERM", "handle", "True SIGTERM", 0),
+                                                 ("SIGUSR2", "-", "True SIGUSR2", 0),
+                                                 ("SIGHUP", "-", "True SIGHUP", 0),
+                                                 ("SIGTERM", "-", "", -15)])
+def test_a_stop_signal_before_the_flag_exists_is_handed_to_it(sig, handle, out, code):
+    """Kept by catch_early and acted on by the flag; a signal the flag does not take (SIGTERM
+    with preempt.handle_sigterm off) gets its default action once the flag is made."""
+    r = subprocess.run([sys.executable, "-c", _EARLY, sig, handle], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (code, out), r.stderr
+
+
+def test_sighup_stops_without_a_requeue():
+    from hpcnft.distributed.preempt import leave_requeue_to_slurm
+
+    why = leave_requeue_to_slurm("SIGHUP", "SIGUSR2")
+    assert why and why.startswith("SIGHUP: the process that started the ranks") and "not requeued" in why
+
+
+_ORPHAN = r"""
+import os, signal, subprocess, sys, time
+if sys.argv[1] == "parent":
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "child", str(os.getpid()), sys.argv[3]])
+    time.sleep(600)
+else:
+    from hpcnft.distributed.groups import end_with_parent
+    got = []
+    signal.signal(signal.SIGHUP, lambda s, f: got.append(s))
+    assert end_with_parent(int(sys.argv[2]))
+    open(sys.argv[3] + ".ready", "w").close()
+    while not got:
+        time.sleep(0.02)
+    open(sys.argv[3], "w").write(f"SIGHUP after parent {sys.argv[2]} died; ppid now {os.getppid()}")
+"""
+
+
+def test_a_rank_hears_its_spawners_death(tmp_path):
+    """PR_SET_PDEATHSIG: the OOM killer's SIGKILL of the spawner reaches its ranks as SIGHUP."""
+    import signal
+    import time
+
+    marker = str(tmp_path / "heard")
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN, "parent", _ORPHAN, marker])
+    deadline = time.monotonic() + 120
+    while not os.path.exists(marker + ".ready"):
+        assert parent.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    while not os.path.exists(marker) or not open(marker).read():
+        assert time.monotonic() < deadline, "the orphan never heard of its parent's death"
+        time.sleep(0.05)
+    assert open(marker).read().startswith(f"SIGHUP after parent {parent.pid} died")

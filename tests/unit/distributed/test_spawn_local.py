@@ -139,3 +139,27 @@ def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch
         import sys
 
         assert "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3" in sys.modules
+
+
+def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(capfd):
+    """SIGTERM to the spawner, passed on to ranks that have no handler yet: nothing was saved,
+    nothing failed: exit 75 saying so, no rank blamed."""
+    import signal
+    import threading
+
+    def send_once_forwarding():  # never to pytest's own SIGTERM handling
+        while getattr(signal.getsignal(signal.SIGTERM), "__name__", "") != "forward":
+            time.sleep(0.02)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_once_forwarding, daemon=True).start()
+    assert spawn_local([], 3, role, command=(sys.executable, "-c", "import time; time.sleep(60)")) == 75
+    err = capfd.readouterr().err
+    assert "SIGTERM reached rank" in err and "before it could checkpoint: nothing to save" in err
+    assert "failed" not in err
+
+
+def test_ranks_are_told_which_process_spawned_them():
+    script = "import os, sys; sys.exit(0 if os.environ['HPCNFT_SPAWNER_PID'] == str(os.getppid()) else 4)"
+    assert spawn(script, "exec") == 0 and spawn(script, "fork") == 0

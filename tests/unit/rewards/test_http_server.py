@@ -1,23 +1,30 @@
 """The scoring server: checks every request against the protocol before scoring (never
 unpickles, never allocates beyond the body), answers errors as JSON with their status, scores
-one request at a time, and logs errors only, one line each."""
+one request at a time, and logs errors only, one line each, escaped. What a client may cost it
+is bounded: refusals come before the body is read (which is then dropped, not held), a few
+requests at once within a byte budget (503 Retry-After beyond), one deadline for a whole
+request, and a listen backlog that takes a burst of clients."""
 from __future__ import annotations
 
 import http.client
 import io
 import json
 import pickle
+import socket
+import struct
+import sys
 import threading
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 from hpcnft.rewards.http_protocol import CONTENT_TYPE, MAX_BODY_BYTES, decode_request, encode_request
-from hpcnft.rewards.http_server import ScoringServer
-from reward_http import serving
+from hpcnft.rewards.http_server import ScoringServer, printable
+from reward_http import connect, drip_until_closed, head, post_until_answered, read_answer, send_post, serving
 
 PROMPTS = ["a red cube", "a blue ball"]
 
@@ -30,10 +37,10 @@ def zero_term(prompts, imgs):
     return torch.zeros(len(prompts))
 
 
-def running(terms: dict, log=None):
+def running(terms: dict, log=None, **limits):
     lines = [] if log is None else log
-    server = ScoringServer(("127.0.0.1", 0), terms, log=lines.append) if log is not False else \
-        ScoringServer(("127.0.0.1", 0), terms)
+    server = ScoringServer(("127.0.0.1", 0), terms, log=lines.append, **limits) if log is not False else \
+        ScoringServer(("127.0.0.1", 0), terms, **limits)
     return serving(server)
 
 
@@ -219,3 +226,163 @@ def test_requests_are_not_logged_and_each_error_is_one_line(capfd):
         assert post(server, "/v1/score/ocr", b"junk")[0] == 400
         err = capfd.readouterr().err
     assert err.count("\n") == 1 and err.startswith("reward server: POST /v1/score/ocr: 400 the body is not an npz")
+
+
+class Gate:
+    """A term that holds each request until `opened` is set."""
+
+    def __init__(self):
+        self.opened = threading.Event()
+
+    def __call__(self, prompts, imgs):
+        assert self.opened.wait(30)
+        return torch.zeros(len(prompts))
+
+
+def wait_until(condition, hang_guard_s: float = 20) -> None:
+    deadline = time.monotonic() + hang_guard_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server never got there"
+        time.sleep(0.01)
+
+
+BODY = encode_request(PROMPTS, images())
+OCR = "/v1/score/ocr"
+
+
+@pytest.mark.parametrize("path,content_type,length,status,needle", [
+    ("/no/such/path", CONTENT_TYPE, 100 << 20, 404, "no such path"),
+    ("/v1/score/vlm", CONTENT_TYPE, 100 << 20, 404, "no term 'vlm'"),
+    (OCR, "text/plain", 100 << 20, 400, "Content-Type must be"),
+    (OCR, CONTENT_TYPE, 4097, 413, "more than 4096 bytes"),
+])
+def test_a_request_is_refused_on_its_head_before_any_body_is_sent(path, content_type, length, status, needle):
+    with running({"ocr": zero_term}, body_budget_bytes=4096) as server, connect(server.port) as sock:
+        sock.sendall(head(path, length, content_type))
+        answer = read_answer(sock)
+    assert (answer[0], answer[1]["Connection"]) == (status, "close") and needle in answer[2]["error"]
+
+
+@pytest.mark.parametrize("path,content_type,status", [("/no/such/path", CONTENT_TYPE, 404),
+                                                      (OCR, "text/plain", 400)])
+def test_a_refused_body_is_read_and_dropped_so_the_client_gets_the_answer_not_a_reset(path, content_type, status):
+    big = bytes(32 << 20)  # beyond what the socket buffers take: unread, it would reset the connection
+    with running({"ocr": zero_term}) as server:
+        assert send_post(server.port, path, big, content_type)[0] == status
+
+
+def test_requests_beyond_max_requests_are_503_with_retry_after_and_answered_on_retry():
+    gate = Gate()
+    with running({"ocr": gate}, max_requests=1, busy_wait_s=0) as server, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(send_post, server.port, OCR, BODY)
+        wait_until(lambda: server.admission.requests == 1)
+        status, headers, answer = send_post(server.port, OCR, BODY)
+        assert (status, headers["Retry-After"], headers["Connection"]) == (503, "1", "close")
+        assert answer["error"] == f"busy (at most 1 requests, {2 << 30} bytes of bodies at once); retry after 1 s"
+        gate.opened.set()
+        assert first.result()[0] == 200
+        assert post_until_answered(server.port, OCR, BODY)[:2] == (200, {"scores": [0.0, 0.0]})
+
+
+def test_bodies_beyond_the_byte_budget_are_503_and_one_beyond_the_whole_budget_413():
+    gate, budget = Gate(), len(BODY) * 3 // 2
+    with running({"ocr": gate}, body_budget_bytes=budget, busy_wait_s=0) as server, ThreadPoolExecutor(1) as pool:
+        first = pool.submit(send_post, server.port, OCR, BODY)
+        wait_until(lambda: server.admission.bytes == len(BODY))
+        assert send_post(server.port, OCR, BODY)[0] == 503  # a second place, but not the bytes
+        status, _, answer = send_post(server.port, OCR, bytes(budget + 1))
+        assert status == 413 and answer["error"] == f"body of {budget + 1} bytes is more than {budget} bytes"
+        gate.opened.set()
+        assert first.result()[0] == 200
+        wait_until(lambda: server.admission.bytes == 0)
+        assert send_post(server.port, OCR, BODY)[0] == 200
+
+
+def test_a_request_that_does_not_fit_waits_briefly_for_a_place():
+    gate = Gate()
+    with running({"ocr": gate}, max_requests=1, busy_wait_s=60) as server, ThreadPoolExecutor(2) as pool:
+        first = pool.submit(send_post, server.port, OCR, BODY)
+        wait_until(lambda: server.admission.requests == 1)
+        second = pool.submit(send_post, server.port, OCR, BODY)
+        wait_until(lambda: server.admission.waiting == 1)
+        gate.opened.set()
+        assert first.result()[0] == second.result()[0] == 200
+
+
+def test_a_request_gives_back_its_place_and_bytes_whatever_its_answer():
+    def failing(prompts, imgs):
+        raise RuntimeError("judge down")
+
+    with running({"ocr": zero_term, "bad": failing}, max_requests=1, busy_wait_s=10) as server:
+        statuses = [send_post(server.port, "/v1/score/bad", BODY)[0], send_post(server.port, OCR, b"junk")[0]]
+        with connect(server.port) as sock:
+            sock.sendall(head(OCR, len(BODY)) + BODY[:10])
+            sock.shutdown(socket.SHUT_WR)  # the body ends early
+            statuses.append(read_answer(sock)[0])
+        statuses.append(send_post(server.port, OCR, BODY)[0])
+        wait_until(lambda: (server.admission.requests, server.admission.bytes) == (0, 0))
+    assert statuses == [500, 400, 400, 200]
+
+
+DEADLINE_LINE = "reward server: connection from 127.0.0.1: request deadline of 1 s passed; closed"
+
+
+@pytest.mark.parametrize("sent,dripped,answered", [
+    (b"", head(OCR, 10), b""),  # the request line and headers
+    (head(OCR, 100_000), bytes(100_000), b""),  # the body of a request being read
+    (head("/no/such/path", 100_000), bytes(100_000), b"HTTP/1.0 404 "),  # the body of a refused one
+])
+def test_one_deadline_bounds_a_whole_request_however_slowly_it_comes(sent, dripped, answered):
+    lines = []
+    with running({"ocr": zero_term}, lines, request_deadline_s=1) as server, connect(server.port) as sock:
+        sock.sendall(sent)
+        received = drip_until_closed(sock, dripped)
+    assert received.startswith(answered) and (received == b"") == (answered == b"")
+    assert [line for line in lines if "deadline" in line] == [DEADLINE_LINE]
+    assert len(lines) == (2 if answered else 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a listener's TCP_INFO is Linux's")
+def test_the_listen_backlog_takes_a_burst_of_clients():
+    server = ScoringServer(("127.0.0.1", 0), {"ocr": zero_term})
+    try:
+        info = server.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    finally:
+        server.server_close()
+    backlog = struct.unpack_from("=I", info, 28)[0]  # tcpi_sacked: a listening socket's backlog
+    with open("/proc/sys/net/core/somaxconn") as f:
+        assert backlog >= min(128, int(f.read()))
+
+
+def test_what_a_client_sent_is_logged_escaped_and_cut_short():
+    lines = []
+    path = b"/v1/score/\x1b[2J\x07\x9b" + b"a" * 10_000
+    requests = [b"POST " + path + b" HTTP/1.0\r\nContent-Type: application/x-npz\r\nContent-Length: 0\r\n\r\n",
+                b"\x1b]0;owned\x07 / HTTP/1.0\r\n\r\n"]
+    statuses = []
+    with running({"ocr": zero_term}, lines) as server:
+        for request in requests:
+            with connect(server.port) as sock:
+                sock.sendall(request)
+                statuses.append(read_answer(sock)[0])
+    assert statuses == [404, 501] and len(lines) == 2
+    assert all(line.isascii() and line.isprintable() and len(line) < 1000 for line in lines)
+    assert lines[0].startswith("reward server: POST /v1/score/\\x1b[2J\\x07\\x9baaa") and "10016 characters" in lines[0]
+    assert lines[1].startswith("reward server: \\x1b]0;owned\\x07 /: 501 ")
+
+
+def test_printable_escapes_all_but_printable_ascii_and_cuts():
+    assert printable("ok /v1/score/x") == "ok /v1/score/x"
+    assert printable("a\x1b[31m\\\n\x9b\u00e9\u2028") == "a\\x1b[31m\\\\\\n\\x9b\\xe9\\u2028"
+    assert printable("x" * 30, limit=10) == "xxxxxxxxxx... (30 characters)"
+    assert printable("\x00" * 10, limit=10) == "\\x00\\x00... (10 characters)"  # never half an escape
+
+
+@pytest.mark.parametrize("limits,needle", [({"max_requests": 0}, "max_requests must be at least 1"),
+                                           ({"body_budget_bytes": 0}, "body_budget_bytes must be at least 1"),
+                                           ({"request_deadline_s": 0}, "request_deadline_s must be a positive"),
+                                           ({"request_deadline_s": float("inf")}, "request_deadline_s must be"),
+                                           ({"busy_wait_s": -1}, "busy_wait_s must be")])
+def test_bad_limits_are_refused(limits, needle):
+    with pytest.raises(ValueError, match=needle):
+        ScoringServer(("127.0.0.1", 0), {"ocr": zero_term}, **limits)

@@ -1,11 +1,13 @@
 """The `remote` reward term: scores from a scoring server equal the local term's bit for bit;
 retries on what may pass (refused, timeouts, 5xx, 429) with backoff, fails at once on the rest;
-every failure is one line naming the term and its URL."""
+an attempt has timeout_s in all however slowly the answer comes, an answer longer than its
+scores need and a redirect are refused; every failure is one line naming the term and its URL."""
 from __future__ import annotations
 
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 
 from hpcnft.common.config import ConfigError, RewardTermConfig, load_config
 from hpcnft.rewards import remote
+from hpcnft.rewards.http_protocol import MAX_CHUNK, encode_scores
 from hpcnft.rewards.http_server import ScoringServer
 from hpcnft.rewards.registry import load_term
 from hpcnft.rewards.remote import RemoteRewardError, RemoteTerm
@@ -179,7 +182,162 @@ def test_a_server_that_does_not_answer_in_time_is_a_timeout():
         term = client(server, retries=0, timeout_s=0.3)
         with pytest.raises(RemoteRewardError) as e:
             term(PROMPTS, images())
-    assert str(e.value) == f"reward term 'judge' (remote {term.url}): timed out (timeout_s 0.3) after 1 attempt"
+    assert str(e.value) == (f"reward term 'judge' (remote {term.url}): timed out: no whole answer within 0.3 s "
+                            f"(timeout_s) after 1 attempt")
+
+
+class Custom(ThreadingHTTPServer):
+    """Answers each request with `respond(handler)`; records each request's method and path.
+    `release` is set on shutdown, for a respond that waits; `done` once a respond has returned."""
+
+    daemon_threads = True
+
+    def __init__(self, respond):
+        self.respond, self.seen, self.release, self.done = respond, [], threading.Event(), threading.Event()
+        super().__init__(("127.0.0.1", 0), CustomHandler)
+
+    @property
+    def requests(self) -> int:
+        return len(self.seen)
+
+    def shutdown(self):
+        self.release.set()
+        super().shutdown()
+
+
+class CustomHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self):
+        self.server.seen.append((self.command, self.path))
+        if "Content-Length" in self.headers:
+            self.rfile.read(int(self.headers["Content-Length"]))
+        try:
+            self.server.respond(self)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.server.done.set()
+
+    do_GET = do_POST = _answer
+
+
+def head_bytes(status: int = 200, headers: dict | None = None) -> bytes:
+    lines = [f"HTTP/1.1 {status} X", "Content-Type: application/json", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def drip(handler, data: bytes, every_s: float = 0.2) -> None:
+    """Write `data` a byte at a time, `every_s` apart, until done or the server shuts down."""
+    for i in range(len(data)):
+        handler.wfile.write(data[i:i + 1])
+        if handler.server.release.wait(every_s):
+            return
+
+
+# The whole answer dripped takes far longer than timeout_s, each byte far less.
+PADDED = b" " * 60 + scores_body([1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("phase", ["head", "body"])
+def test_an_answer_dripped_slowly_times_out_after_timeout_s_in_all(phase):
+    def respond(handler):
+        head = head_bytes(headers={"Content-Length": len(PADDED)})
+        if phase == "head":
+            drip(handler, head + PADDED)
+        else:
+            handler.wfile.write(head)
+            drip(handler, PADDED)
+
+    timeout_s, sleeps = 1.0, []
+    with serving(Custom(respond)) as server:
+        term = client(server, retries=1, timeout_s=timeout_s, sleeps=sleeps)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteRewardError) as e:
+            term(PROMPTS, images())
+        took = time.monotonic() - t0
+        assert server.requests == 2  # a timeout is retried, as before
+    assert took < 2 * (5 * timeout_s) + 5  # a hang guard only
+    assert str(e.value) == (f"reward term 'judge' (remote {term.url}): timed out: no whole answer within 1 s "
+                            f"(timeout_s) after 2 attempts")
+    assert sleeps == [0.5]
+
+
+def test_the_bound_on_an_answer_holds_the_longest_scores():
+    longest = np.full(1, -1.1754944e-38, dtype=np.float32)  # the longest shortest decimal of a float32
+    assert len(repr(float(longest[0]))) == 23  # sign, 17 digits, point, e-38
+    for n in (1, 3, MAX_CHUNK):
+        assert len(encode_scores(np.resize(longest, n))) <= remote.max_answer_bytes(n)
+
+
+BIG = 32 << 20  # more than a loopback connection buffers: the server cannot write it all unread
+
+
+def big_answer(length_header: bool):
+    """An answer of BIG bytes of whitespace before valid scores; with or without its
+    Content-Length (else it ends when the connection closes). Records whether it was all written."""
+    body = b" " * BIG + scores_body([1.0, 2.0, 3.0])
+
+    def respond(handler):
+        handler.server.wrote_all = False
+        handler.wfile.write(head_bytes(headers={"Content-Length": len(body)} if length_header else None))
+        view = memoryview(body)
+        for i in range(0, len(body), 1 << 20):
+            handler.wfile.write(view[i:i + (1 << 20)])
+        handler.server.wrote_all = True
+    return respond
+
+
+@pytest.mark.parametrize("length_header", [True, False])
+def test_an_answer_longer_than_its_scores_need_is_refused_unread(length_header):
+    bound = remote.max_answer_bytes(len(PROMPTS))
+    with serving(Custom(big_answer(length_header))) as server:
+        term = client(server, retries=3)
+        with pytest.raises(RemoteRewardError) as e:
+            term(PROMPTS, images())
+        assert server.done.wait(60)  # the server's writes end once the client has hung up
+        assert server.requests == 1 and not server.wrote_all
+    text = str(e.value)
+    if length_header:
+        length = BIG + len(scores_body([1.0, 2.0, 3.0]))
+        assert text == (f"reward term 'judge' (remote {term.url}): an answer of {length} bytes (Content-Length) "
+                        f"is more than 3 scores need (at most {bound})")
+    else:
+        assert text == (f"reward term 'judge' (remote {term.url}): an answer of more than {bound} bytes is more "
+                        f"than 3 scores need")
+
+
+def test_an_answer_within_the_bound_is_read_without_a_content_length():
+    def respond(handler):
+        handler.wfile.write(head_bytes())
+        handler.wfile.write(b" " * 4000 + scores_body([1.0, 2.0, 3.0]))
+    with serving(Custom(respond)) as server:
+        assert client(server)(PROMPTS, images()).tolist() == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_refused_and_never_followed(status):
+    def answer(handler):
+        body = scores_body([1.0, 2.0, 3.0])
+        handler.wfile.write(head_bytes(200, {"Content-Length": len(body)}) + body)
+
+    with serving(Custom(answer)) as target:
+        elsewhere = url_of(target, "judge")
+
+        def redirect(handler):
+            handler.wfile.write(head_bytes(status, {"Location": elsewhere, "Content-Length": 2}) + b"{}")
+
+        with serving(Custom(redirect)) as server:
+            term = client(server, retries=3)
+            with pytest.raises(RemoteRewardError) as e:
+                term(PROMPTS, images())
+            assert server.seen == [("POST", "/v1/score/judge")]
+        assert target.seen == []  # neither a GET nor a POST
+    assert str(e.value) == (f"reward term 'judge' (remote {term.url}): HTTP {status} redirect to {elsewhere!r} "
+                            f"refused (a redirect would turn the POST into a GET): set url to the scoring "
+                            f"endpoint itself")
 
 
 @pytest.mark.parametrize("body,reason", [
@@ -245,3 +403,17 @@ def test_a_remote_term_loads_from_its_config():
 def test_a_remote_terms_config_is_checked(setting, key):
     with pytest.raises(ConfigError, match=rf"reward\.terms\[0\]\.{key}"):
         load_config("tiny", [f'reward.terms=[{{kind="remote", {setting}}}]'])
+
+
+def test_http_proxy_still_applies(monkeypatch):
+    def answer(handler):
+        body = scores_body([1.0, 2.0, 3.0])
+        handler.wfile.write(head_bytes(200, {"Content-Length": len(body)}) + body)
+
+    for name in ("no_proxy", "NO_PROXY", "HTTP_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with serving(Custom(answer)) as proxy:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.server_address[1]}")
+        url = "http://judge-node.invalid:8000/v1/score/ocr"
+        assert RemoteTerm("ocr", url, 10.0, 0)(PROMPTS, images()).tolist() == [1.0, 2.0, 3.0]
+        assert proxy.seen == [("POST", url)]

@@ -1,0 +1,100 @@
+"""Which config changes a resume allows: reward.terms compared per term and per key, a remote
+term's url, timeout_s and retries allowed (warned about), what is scored refused, and the
+description of the changes one line of bounded length."""
+from __future__ import annotations
+
+import pytest
+
+from hpcnft.common.config import (
+    CHANGES_LISTED,
+    config_changes,
+    describe_changes,
+    differing_keys,
+    load_config,
+    warned_on_resume,
+)
+
+JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
+
+
+def judge(setting: str = "") -> str:
+    """The remote term, one of its settings replaced or added (`key=value`)."""
+    if not setting:
+        return JUDGE
+    key = setting.split("=")[0]
+    kept = [item for item in JUDGE.split(", ") if not item.startswith(f"{key}=")]
+    return ", ".join(kept + [setting])
+
+
+def terms(*tables: str) -> dict:
+    return load_config("tiny", [f"reward.terms=[{', '.join('{' + t + '}' for t in tables)}]"]).to_dict()
+
+
+BEFORE = terms('kind="pickscore"', JUDGE)
+
+
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7"])
+def test_where_and_how_patiently_a_remote_term_asks_may_change(setting):
+    after = terms('kind="pickscore"', judge(setting))
+    key = f"reward.terms[1].{setting.split('=')[0]}"
+    assert differing_keys(BEFORE, after) == []
+    assert [c.key for c in config_changes(BEFORE, after)] == [key] and warned_on_resume(key)
+
+
+@pytest.mark.parametrize("setting,change", [
+    ("weight=2.0", "reward.terms[1].weight (1.0 -> 2.0)"),
+    ('name="judge"', "reward.terms[1].name ('ocr' -> 'judge')"),
+    ("eval_only=true", "reward.terms[1].eval_only (False -> True)"),
+    ('model_dir="/m"', "reward.terms[1].model_dir ('' -> '/m')"),
+])
+def test_what_a_term_scores_may_not_change_and_the_key_is_named(setting, change):
+    after = terms('kind="pickscore"', judge(setting))
+    key = change.split(" ")[0]
+    assert differing_keys(BEFORE, after) == [key]
+    assert describe_changes(config_changes(BEFORE, after)) == change
+
+
+def test_a_changed_kind_or_order_names_each_key():
+    after = terms(JUDGE, 'kind="pickscore"')  # the same two terms, swapped
+    keys = differing_keys(BEFORE, after)
+    assert "reward.terms[0].kind" in keys and "reward.terms[1].kind" in keys
+    assert all(k.startswith("reward.terms[") for k in keys)
+    kind = terms('kind="hpsv2"', JUDGE)
+    assert differing_keys(BEFORE, kind) == ["reward.terms[0].kind"]
+    assert describe_changes(config_changes(BEFORE, kind)) == "reward.terms[0].kind ('pickscore' -> 'hpsv2')"
+
+
+def test_another_number_of_terms_is_one_change():
+    for after, text in [(terms('kind="pickscore"'), "reward.terms (2 entries -> 1 entry)"),
+                        (load_config("tiny").to_dict(), "reward.terms (2 entries -> 0 entries)")]:
+        assert differing_keys(BEFORE, after) == ["reward.terms"]
+        assert describe_changes(config_changes(BEFORE, after)) == text
+
+
+def test_a_refused_change_beside_an_allowed_one_is_still_refused():
+    after = terms('kind="pickscore", weight=0.5', judge('url="http://elsewhere:1/x"'))
+    assert differing_keys(BEFORE, after) == ["reward.terms[0].weight"]
+
+
+def test_terms_are_listed_in_index_order():
+    many = [f'kind="jpeg_compressibility", name="t{i}"' for i in range(12)]
+    after = [t + ", weight=3.0" for t in many]
+    keys = differing_keys(terms(*many), terms(*after))
+    assert keys == [f"reward.terms[{i}].weight" for i in range(12)]
+
+
+def test_the_description_is_one_line_of_bounded_length():
+    long = "x" * 5000
+    after = terms(f'kind="pickscore", model_dir="{long}\\nline two"', f'{JUDGE}, processor_dir="{long}"')
+    after["optim"] = {k: v * 3 for k, v in after["optim"].items()}
+    changes = config_changes(BEFORE, after)
+    assert len(changes) > CHANGES_LISTED
+    text = describe_changes(changes)
+    assert "\n" not in text and len(text) < 700
+    assert text.endswith(f" and {len(changes) - CHANGES_LISTED} more")
+    assert text.startswith("optim.beta1 (0.9 -> 2.7")
+
+
+def test_run_length_and_other_mutable_keys_stay_silent():
+    after = load_config("tiny", ["steps=99", "checkpoint.every=1"]).to_dict()
+    assert config_changes(load_config("tiny").to_dict(), after) == []
