@@ -54,28 +54,29 @@ def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
     assert killed.returncode == -signal.SIGUSR2  # what a rank without retire() meets
 
 
+_RANK_MAIN_OUT_EARLY = r"""
+import signal, sys
+import torch.distributed as dist
+from hpcnft.common.config import load_config
+from hpcnft.common.errors import EXIT_BAD_INPUT
+from hpcnft.distributed.detect import detect
+from hpcnft.distributed.groups import free_port
+from hpcnft.run.entry import rank_main
+cfg = load_config("tiny", [f"models.sd3_dir={sys.argv[1]}/missing"], run_dir=f"{sys.argv[1]}/run")
+launch = detect({"MASTER_PORT": str(free_port())})  # not 29500, which another job may hold
+assert rank_main(cfg, launch, "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
+assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
+assert not dist.is_initialized()  # nor a process group
+print("ok")
+"""
+
+
 def test_rank_main_retires_its_preempt_flag_on_every_way_out(tmp_path):
-    import signal
-
-    from hpcnft.common.errors import EXIT_BAD_INPUT
-    from hpcnft.distributed.detect import detect
-    from hpcnft.run.entry import rank_main
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR2, signal.SIGTERM)}
-    try:
-        cfg = load_config("tiny", [f"models.sd3_dir={tmp_path / 'missing'}"], run_dir=str(tmp_path / "run"))
-        from hpcnft.distributed.groups import free_port
-
-        launch = detect({"MASTER_PORT": str(free_port())})  # not 29500, which another job may hold
-        assert rank_main(cfg, launch, "tiny") == EXIT_BAD_INPUT  # out early: a missing model folder
-        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # preempt.handle_sigterm
-        import torch.distributed as dist
-
-        assert not dist.is_initialized()  # nor a process group
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+    # in a process of its own: a rank renames its process and owns its signals and stderr
+    r = subprocess.run([sys.executable, "-c", _RANK_MAIN_OUT_EARLY, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_slurms_own_sigterm_leaves_the_requeue_to_slurm():
