@@ -563,6 +563,26 @@ def make_checkpoint(run_dir: str, step: int, seed: int = 0, width: int = 32, kee
     return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), '{"steps": 3}', keep)
 
 
+def run_with_checkpoints(cfg, steps=(1, 2)) -> dict[int, str]:
+    """CFG's run dir (created) with a run.h5 row and a checkpoint after each of STEPS, each
+    checkpoint holding CFG's config and its copy of run.h5 as the job writes it; returns
+    {step: checkpoint dir}."""
+    from hpcnft.io import run_state, runfile
+    from hpcnft.io.run_writer import RunFileWriter
+
+    os.makedirs(cfg.run_dir)
+    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test")
+    ckpts = {}
+    for step in steps:
+        w.append_metrics(step, {k: step + 0.5 for k in runfile.PER_STEP_KEYS})
+        ckpts[step] = make_checkpoint(cfg.run_dir, step, keep=5)
+        with open(os.path.join(ckpts[step], "config.json"), "w") as f:
+            f.write(cfg.to_json())
+        w.snapshot(run_state.run_state_path(ckpts[step]), (step, "checkpoint", ckpts[step]))
+    w.close()
+    return ckpts
+
+
 def writer_made_run(path: str, steps: int = 4) -> None:
     """A run file laid out by hpcnft's own writer exactly as a run writes it."""
     from hpcnft.common import determinism

@@ -4,6 +4,7 @@ description of the changes one line of bounded length."""
 from __future__ import annotations
 
 import pytest
+from config_terms import JUDGE, judge, with_terms
 
 from hpcnft.common.config import (
     CHANGES_LISTED,
@@ -14,20 +15,9 @@ from hpcnft.common.config import (
     warned_on_resume,
 )
 
-JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
-
-
-def judge(setting: str = "") -> str:
-    """The remote term, one of its settings replaced or added (`key=value`)."""
-    if not setting:
-        return JUDGE
-    key = setting.split("=")[0]
-    kept = [item for item in JUDGE.split(", ") if not item.startswith(f"{key}=")]
-    return ", ".join(kept + [setting])
-
 
 def terms(*tables: str) -> dict:
-    return load_config("tiny", [f"reward.terms=[{', '.join('{' + t + '}' for t in tables)}]"]).to_dict()
+    return with_terms(*tables).to_dict()
 
 
 BEFORE = terms('kind="pickscore"', JUDGE)

@@ -7,29 +7,14 @@ import json
 import os
 
 import pytest
-from hardening_tools import make_checkpoint
+from config_terms import JUDGE, judge, with_terms
+from hardening_tools import run_with_checkpoints
 
-from hpcnft.common.config import ConfigError, load_config
-from hpcnft.io import run_state, runfile
-from hpcnft.io.run_writer import RunFileWriter
+from hpcnft.common.config import ConfigError
+from hpcnft.io import run_state
 from hpcnft.run import resume
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
-
-JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
-
-
-def judge(setting: str = "") -> str:
-    """The remote term, one of its settings replaced or added (`key=value`)."""
-    if not setting:
-        return JUDGE
-    key = setting.split("=")[0]
-    kept = [item for item in JUDGE.split(", ") if not item.startswith(f"{key}=")]
-    return ", ".join(kept + [setting])
-
-
-def with_terms(*tables: str):
-    return load_config("tiny", [f"reward.terms=[{', '.join('{' + t + '}' for t in tables)}]"], steps=4)
 
 
 def checkpoint_dir(tmp_path, cfg) -> str:
@@ -77,17 +62,7 @@ def run(tmp_path):
     """A run dir whose checkpoints 1 and 2 hold a config with a remote term, and its run.h5."""
     cfg = with_terms('kind="pickscore"', JUDGE)
     cfg.run_dir = str(tmp_path / "run")
-    os.makedirs(cfg.run_dir)
-    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test")
-    ckpts = {}
-    for step in (1, 2):
-        w.append_metrics(step, {k: step + 0.5 for k in runfile.PER_STEP_KEYS})
-        ckpts[step] = make_checkpoint(cfg.run_dir, step, keep=5)
-        with open(os.path.join(ckpts[step], "config.json"), "w") as f:
-            f.write(cfg.to_json())
-        w.snapshot(run_state.run_state_path(ckpts[step]), (step, "checkpoint", ckpts[step]))
-    w.close()
-    return cfg, ckpts
+    return cfg, run_with_checkpoints(cfg)
 
 
 def moved(cfg, port: int = 9000):

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from hardening_tools import make_checkpoint, writer_made_run
+from hardening_tools import run_with_checkpoints, writer_made_run
 from hpcnft.common.config import load_config
 from hpcnft.common.errors import UsageError
-from hpcnft.io import run_state, runfile
+from hpcnft.io import run_state
 from hpcnft.io.run_writer import RunFileWriter
 from hpcnft.run.resume import RunFileLostError, plan_resume
 from hpcnft.run.rundir import check_existing_run
@@ -25,17 +25,7 @@ def run(tmp_path):
     run.h5 as the job writes it."""
     cfg = load_config("tiny", steps=4)
     cfg.run_dir = str(tmp_path / "run")
-    os.makedirs(cfg.run_dir)
-    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test")
-    ckpts = {}
-    for step in (1, 2):
-        w.append_metrics(step, {k: step + 0.5 for k in runfile.PER_STEP_KEYS})
-        ckpts[step] = make_checkpoint(cfg.run_dir, step, keep=5)
-        with open(os.path.join(ckpts[step], "config.json"), "w") as f:
-            f.write(cfg.to_json())
-        w.snapshot(run_state.run_state_path(ckpts[step]), (step, "checkpoint", ckpts[step]))
-    w.close()
-    return cfg, ckpts
+    return cfg, run_with_checkpoints(cfg)
 
 
 def _plan(cfg):

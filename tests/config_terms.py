@@ -1,0 +1,22 @@
+"""Reward terms for config tests: a remote judge whose operational settings (url, timeout_s,
+retries) a resume may change, and configs made of term tables as `--set reward.terms=[...]`
+gives them."""
+from __future__ import annotations
+
+from hpcnft.common.config import Config, load_config
+
+JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
+
+
+def judge(setting: str = "") -> str:
+    """The remote term, one of its settings replaced or added (`key=value`)."""
+    if not setting:
+        return JUDGE
+    key = setting.split("=")[0]
+    kept = [item for item in JUDGE.split(", ") if not item.startswith(f"{key}=")]
+    return ", ".join(kept + [setting])
+
+
+def with_terms(*tables: str, steps: int | None = None) -> Config:
+    """The tiny recipe with these reward terms (TOML inline tables)."""
+    return load_config("tiny", [f"reward.terms=[{', '.join('{' + t + '}' for t in tables)}]"], steps=steps)
