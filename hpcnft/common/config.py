@@ -10,14 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 
 from hpcnft.common.errors import ConfigError
-from hpcnft.common.validation import flatten, validate
+from hpcnft.common.validation import validate
 
 
 @dataclass
@@ -247,18 +246,6 @@ class Config:
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-# Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
-RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images", "logging.trackers",
-                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
-                       "layout.emulate_hosts"}
-# Keys of each reward term ([] for any index) that say where and how patiently a remote term asks,
-# not what is scored: they may change on resume too, with a warning (a judge moved to another
-# port, a longer timeout).
-RESUME_WARNED_KEYS = {"reward.terms[].url", "reward.terms[].timeout_s", "reward.terms[].retries"}
-CHANGES_LISTED = 5  # a refusal or warning names at most this many keys, and counts the rest
-CHANGE_TEXT_CHARS = 40  # of each key and value in it
-
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
@@ -400,85 +387,3 @@ def config_from_dict(data: dict) -> Config:
     _apply(cfg, data)
     validate(cfg)
     return cfg
-
-
-@dataclass(frozen=True)
-class Change:
-    """A setting that differs between two configs: its key (reward.terms[0].weight) and values
-    (None where one config lacks the key)."""
-    key: str
-    old: object
-    new: object
-
-    def __str__(self) -> str:
-        return f"{_clip(self.key)} ({_clip(repr(self.old))} -> {_clip(repr(self.new))})"
-
-
-class _Count(int):
-    """The length of a list of tables, as a change shows it."""
-
-    def __repr__(self) -> str:
-        return f"{int(self)} {'entry' if self == 1 else 'entries'}"
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= CHANGE_TEXT_CHARS else text[:CHANGE_TEXT_CHARS - 3] + "..."
-
-
-def _table_lists(cls=Config, prefix: str = "") -> set[str]:
-    """The keys whose value is a list of tables (reward.terms)."""
-    out = set()
-    for f in dataclasses.fields(cls):
-        typ = _type_of(cls, f.name)
-        if dataclasses.is_dataclass(typ):
-            out |= _table_lists(typ, f"{prefix}{f.name}.")
-        elif typing.get_origin(typ) is list and dataclasses.is_dataclass(typing.get_args(typ)[0]):
-            out.add(prefix + f.name)
-    return out
-
-
-def _index_order(key: str) -> str:
-    return re.sub(r"\[(\d+)\]", lambda m: f"[{int(m[1]):09d}]", key)
-
-
-def config_changes(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> list[Change]:
-    """The settings that differ from config `a` to `b` (as dicts), but those in `ignore`, in key
-    order. A list of tables is compared per entry and key (reward.terms[1].weight); when the
-    number of entries differs, that number is the change."""
-    fa, fb = flatten(a), flatten(b)
-    tables = _table_lists()
-    changes = []
-    for key in set(fa) | set(fb):
-        if key in ignore:
-            continue
-        old, new = fa.get(key), fb.get(key)
-        if key in tables and isinstance(old, list) and isinstance(new, list):
-            if len(old) != len(new):
-                changes.append(Change(key, _Count(len(old)), _Count(len(new))))
-                continue
-            for i, (x, y) in enumerate(zip(old, new)):
-                if isinstance(x, dict) and isinstance(y, dict):
-                    changes += [Change(f"{key}[{i}].{c.key}", c.old, c.new) for c in config_changes(x, y, set())]
-                elif x != y:
-                    changes.append(Change(f"{key}[{i}]", x, y))
-        elif old != new:
-            changes.append(Change(key, old, new))
-    return sorted(changes, key=lambda c: _index_order(c.key))
-
-
-def warned_on_resume(key: str) -> bool:
-    """Whether `key` (reward.terms[0].url) may change on resume, with a warning."""
-    return re.sub(r"\[\d+\]", "[]", key) in RESUME_WARNED_KEYS
-
-
-def describe_changes(changes: list[Change]) -> str:
-    """`key (old -> new), ...`: one line of bounded length, listing at most CHANGES_LISTED."""
-    text = ", ".join(str(c) for c in changes[:CHANGES_LISTED])
-    more = len(changes) - CHANGES_LISTED
-    return text + (f" and {more} more" if more > 0 else "")
-
-
-def differing_keys(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> list[str]:
-    """The keys that differ between configs `a` and `b` and may not on resume: all but `ignore`
-    and the warned ones (RESUME_WARNED_KEYS)."""
-    return [c.key for c in config_changes(a, b, ignore) if not warned_on_resume(c.key)]

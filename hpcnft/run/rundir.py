@@ -95,7 +95,8 @@ def tiny_models_needed(cfg) -> bool:
 def check_existing_run(cfg) -> None:
     """A run dir that already holds a run may only be resumed with a compatible config, and
     its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it)."""
-    from hpcnft.common.config import ConfigError, differing_keys
+    from hpcnft.common.config import ConfigError
+    from hpcnft.common.config_changes import differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
 
     try:

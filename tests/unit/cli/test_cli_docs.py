@@ -8,7 +8,8 @@ import re
 import pytest
 
 from hpcnft.cli.main import COMMANDS, main
-from hpcnft.common.config import flatten, load_config, recipe_names
+from hpcnft.common.config import load_config, recipe_names
+from hpcnft.common.validation import flatten
 from hpcnft.io.runfile import ALL_KEYS
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from hpcnft.common.config import ConfigError, differing_keys, load_config, parse_set, recipe_names
+from hpcnft.common.config import ConfigError, load_config, parse_set, recipe_names
+from hpcnft.common.config_changes import differing_keys
 
 ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from config_terms import JUDGE, judge, with_terms
 
-from hpcnft.common.config import (
+from hpcnft.common.config import load_config
+from hpcnft.common.config_changes import (
     CHANGES_LISTED,
     config_changes,
     describe_changes,
     differing_keys,
-    load_config,
     warned_on_resume,
 )
 

@@ -166,7 +166,8 @@ def test_half_precision_policy_skips_peft_input_casts(stacks, precision, cast):
 
 
 def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
-    from hpcnft.common.config import flatten, load_config
+    from hpcnft.common.config import load_config
+    from hpcnft.common.validation import flatten
 
     ref = flatten(load_config("sd35m_pickscore").to_dict())
     fast_recipe = flatten(load_config("sd35m_pickscore_fast").to_dict())
