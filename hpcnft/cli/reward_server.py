@@ -4,8 +4,8 @@ reward terms over HTTP (hpcnft/rewards/http_protocol.py) for `remote` terms of o
 A TERM is the name of a term in the recipe's reward.terms, or a bare kind (pickscore,
 jpeg_compressibility, ...) with its default settings, the tiny model where the kind has one.
 The terms score as a reward rank of the recipe would: same determinism settings, same CPU
-thread count. `--max-requests`, `--max-body-mib` and `--request-deadline-s` bound what clients
-may cost the server (hpcnft/rewards/http_server.py). SIGINT or SIGTERM stops the server; the
+thread count. `--max-requests`, `--max-connections`, `--max-body-mib` and `--request-deadline-s`
+bound what clients may cost the server (hpcnft/rewards/http_server.py). SIGINT or SIGTERM stops the server; the
 exit code is then 0."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hpcnft.common.validation import TERM_KINDS
 
 SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
 # ScoringServer's defaults, repeated so that --help does not import torch
-MAX_REQUESTS, MAX_BODY_MIB, REQUEST_DEADLINE_S = 8, 2048, 120.0
+MAX_REQUESTS, MAX_CONNECTIONS, MAX_BODY_MIB, REQUEST_DEADLINE_S = 8, 64, 2048, 120.0
 
 
 def whole_number(text: str) -> int:
@@ -63,6 +63,9 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--max-requests", type=whole_number, default=MAX_REQUESTS, metavar="N",
                    help=f"requests admitted at once, scored one at a time (default {MAX_REQUESTS}); more are "
                         "answered 503 with Retry-After")
+    p.add_argument("--max-connections", type=whole_number, default=MAX_CONNECTIONS, metavar="N",
+                   help=f"connections open at once, a thread each (default {MAX_CONNECTIONS}, at least "
+                        "--max-requests); more are answered 503 with Retry-After and closed")
     p.add_argument("--max-body-mib", type=whole_number, default=MAX_BODY_MIB, metavar="MIB",
                    help=f"MiB of request bodies held at once (default {MAX_BODY_MIB}); a request that does not fit "
                         "is answered 503 with Retry-After, one larger than this 413")
@@ -72,9 +75,12 @@ def add_arguments(name: str, p) -> None:
 
 
 def server_limits(args) -> dict:
-    """ScoringServer's limits from the options."""
-    return {"max_requests": args.max_requests, "body_budget_bytes": args.max_body_mib << 20,
-            "request_deadline_s": args.request_deadline_s}
+    """ScoringServer's limits from the options; UsageError where they do not fit together."""
+    if args.max_connections < args.max_requests:
+        raise UsageError(f"--max-connections {args.max_connections} is less than --max-requests {args.max_requests}: "
+                         "each admitted request holds a connection")
+    return {"max_requests": args.max_requests, "max_connections": args.max_connections,
+            "body_budget_bytes": args.max_body_mib << 20, "request_deadline_s": args.request_deadline_s}
 
 
 def served_terms(names: list[str], cfg) -> list:
@@ -145,6 +151,7 @@ def main(name: str, args) -> int:
     from hpcnft.common.config import ConfigError, load_config
     from hpcnft.rewards.http_server import ScoringServer
 
+    limits = server_limits(args)
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
@@ -157,7 +164,7 @@ def main(name: str, args) -> int:
     loaded = load_terms(terms, cfg, torch.device(args.device))
     return_large_buffers_to_the_system()
     try:
-        server = ScoringServer((args.host, args.port), loaded, **server_limits(args))
+        server = ScoringServer((args.host, args.port), loaded, **limits)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 

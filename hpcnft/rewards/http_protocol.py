@@ -15,7 +15,7 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
        400 bad request (not an npz of the two arrays above, wrong dtype or shape), 404 unknown
        term, 413 body too large, 500 the term failed, 503 / 429 busy, with a Retry-After of the
        seconds to wait (the client retries these).
-  GET  /v1/health  ->  200 {"terms": [the names served]}
+  GET  /v1/health  ->  200 {"terms": [the names served], ...: a server may add its load}
 
 Nothing is ever unpickled: the server reads each array as np.load(allow_pickle=False) does,
 after checking its npy header (dtype, shape, size) against the bounds above, so a request can

@@ -12,6 +12,8 @@ What clients may cost the server is bounded:
   holds about twice its body (the body and its arrays);
 - one connection is one request (HTTP/1.0), whose request line, headers and body must all
   arrive within `request_deadline_s`; past it the connection is closed, with one line logged;
+- at most `max_connections` connections are open at once (a thread each); one beyond is
+  answered 503 with Retry-After by the accepting thread and closed, without a thread;
 - the listen backlog is 128, so a burst of clients waits to be accepted rather than being reset.
 
 Requests are not logged; each error answer is one line through `log`, with what the client
@@ -37,6 +39,7 @@ from hpcnft.rewards.http_protocol import (CONTENT_TYPE, HEALTH_PATH, MAX_BODY_BY
                                           decode_request, encode_scores, error_body)
 
 MAX_REQUESTS = 8
+MAX_CONNECTIONS = 64
 BODY_BUDGET_BYTES = 2 << 30
 REQUEST_DEADLINE_S = 120.0
 BUSY_WAIT_S = 1.0
@@ -90,6 +93,14 @@ class DeadlineReader(io.RawIOBase):
             self.sock.settimeout(self.write_timeout_s)
 
 
+class Refused(Exception):
+    """A request refused on its head: the status and one line of why."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(text)
+        self.status, self.text = status, text
+
+
 class Admission:
     """At most `max_requests` requests at once, holding at most `max_bytes` of bodies together."""
 
@@ -121,9 +132,12 @@ class Admission:
             self.changed.notify_all()
 
 
-def check_limits(max_requests: int, body_budget_bytes: int, request_deadline_s: float, busy_wait_s: float) -> None:
+def check_limits(max_requests: int, max_connections: int, body_budget_bytes: int, request_deadline_s: float,
+                 busy_wait_s: float) -> None:
     if max_requests < 1:
         raise ValueError(f"max_requests must be at least 1, got {max_requests}")
+    if max_connections < max_requests:
+        raise ValueError(f"max_connections must be at least max_requests ({max_requests}), got {max_connections}")
     if body_budget_bytes < 1:
         raise ValueError(f"body_budget_bytes must be at least 1, got {body_budget_bytes}")
     if not (math.isfinite(request_deadline_s) and request_deadline_s > 0):
@@ -140,10 +154,12 @@ class ScoringServer(ThreadingHTTPServer):
     request_queue_size = 128  # socketserver's 5 resets the clients beyond a handful arriving together
 
     def __init__(self, address: tuple[str, int], terms: dict, log=stderr_line, *, max_requests: int = MAX_REQUESTS,
-                 body_budget_bytes: int = BODY_BUDGET_BYTES, request_deadline_s: float = REQUEST_DEADLINE_S,
-                 busy_wait_s: float = BUSY_WAIT_S):
-        check_limits(max_requests, body_budget_bytes, request_deadline_s, busy_wait_s)
+                 max_connections: int = MAX_CONNECTIONS, body_budget_bytes: int = BODY_BUDGET_BYTES,
+                 request_deadline_s: float = REQUEST_DEADLINE_S, busy_wait_s: float = BUSY_WAIT_S):
+        check_limits(max_requests, max_connections, body_budget_bytes, request_deadline_s, busy_wait_s)
         self.terms, self.log = dict(terms), log
+        self.max_connections, self.connections = max_connections, 0
+        self.connections_lock = threading.Lock()
         self.request_deadline_s, self.busy_wait_s = request_deadline_s, busy_wait_s
         self.max_request_bytes = min(MAX_BODY_BYTES, body_budget_bytes)
         self.admission = Admission(max_requests, body_budget_bytes)
@@ -153,6 +169,37 @@ class ScoringServer(ThreadingHTTPServer):
     @property
     def port(self) -> int:
         return self.server_address[1]
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection while fewer than max_connections are open; else a 503 from
+        here (a short answer fits the socket's send buffer) and the connection closed."""
+        with self.connections_lock:
+            admitted = self.connections < self.max_connections
+            self.connections += admitted
+        if admitted:
+            return super().process_request(request, client_address)
+        self.log(f"reward server: connection from {client_address[0]}: 503 more than {self.max_connections} "
+                 "connections open; closed")
+        try:
+            request.settimeout(0)
+            request.send(turn_away_answer(self.max_connections))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.connections_lock:
+                self.connections -= 1
+
+    def health(self) -> dict:
+        """What GET /v1/health answers: the terms served and the load at this moment."""
+        admission = self.admission
+        with admission.changed:
+            load = {"requests": admission.requests, "waiting": admission.waiting, "body_bytes": admission.bytes}
+        return {"terms": list(self.terms), **load, "connections": self.connections}
 
     def score(self, name: str, prompts: list[str], images: np.ndarray) -> bytes:
         with self.score_lock:
@@ -166,6 +213,13 @@ class ScoringServer(ThreadingHTTPServer):
         # The client went away mid-answer (it timed out, say): one line, not a traceback.
         reason = printable(first_line(sys.exc_info()[1]), LOG_TEXT_CHARS)
         self.log(f"reward server: connection from {client_address[0]}: {reason}")
+
+
+def turn_away_answer(max_connections: int) -> bytes:
+    body = error_body(f"busy (more than {max_connections} connections open); retry after {RETRY_AFTER_S} s")
+    return (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
+            ).encode("ascii") + body
 
 
 class ScoreHandler(BaseHTTPRequestHandler):
@@ -212,13 +266,13 @@ class ScoreHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if urlsplit(self.path).path != HEALTH_PATH:
             return self._error(HTTPStatus.NOT_FOUND, f"no such path (GET {HEALTH_PATH})")
-        self._answer(HTTPStatus.OK, json.dumps({"terms": list(self.server.terms)}).encode())
+        self._answer(HTTPStatus.OK, json.dumps(self.server.health()).encode())
 
     def do_POST(self) -> None:
-        refusal = self._refusal()
-        if refusal is not None:
-            return self._refuse(*refusal)
-        name, length = self._term_name(), self._content_length()
+        try:
+            name, length = self._check_head()
+        except Refused as e:
+            return self._refuse(e.status, e.text)
         if not self.server.admission.enter(length, self.server.busy_wait_s):
             admission = self.server.admission
             return self._refuse(HTTPStatus.SERVICE_UNAVAILABLE,
@@ -241,25 +295,25 @@ class ScoreHandler(BaseHTTPRequestHandler):
             return None
         return int(text)
 
-    def _refusal(self) -> tuple[int, str] | None:
-        """Why this POST is refused on its head alone, or None."""
+    def _check_head(self) -> tuple[str, int]:
+        """The term and body length of this POST, from its head alone; Refused if it is refused."""
         if self.headers.get("Transfer-Encoding"):
-            return HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked"
+            raise Refused(HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked")
         name = self._term_name()
         if name is None:
-            return HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)"
+            raise Refused(HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)")
         if name not in self.server.terms:
-            return HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving {', '.join(self.server.terms)})"
+            raise Refused(HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving {', '.join(self.server.terms)})")
         if self.headers.get_content_type() != CONTENT_TYPE:
-            return HTTPStatus.BAD_REQUEST, (f"Content-Type must be {CONTENT_TYPE}, "
-                                            f"got {self.headers.get('Content-Type')!r}")
+            raise Refused(HTTPStatus.BAD_REQUEST, f"Content-Type must be {CONTENT_TYPE}, "
+                                                  f"got {self.headers.get('Content-Type')!r}")
         length = self._content_length()
         if length is None:
-            return HTTPStatus.BAD_REQUEST, "a Content-Length is required"
+            raise Refused(HTTPStatus.BAD_REQUEST, "a Content-Length is required")
         if length > self.server.max_request_bytes:
-            return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (f"body of {length} bytes is more than "
-                                                         f"{self.server.max_request_bytes} bytes")
-        return None
+            raise Refused(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes is more than "
+                                                               f"{self.server.max_request_bytes} bytes")
+        return name, length
 
     def _refuse(self, status: int, text: str, headers: dict | None = None) -> None:
         """Answer without reading the body, then read and drop it: closing a connection with

@@ -6,7 +6,8 @@ An attempt (connect, send the request, read the whole answer) has `timeout_s` in
 slowly the server trickles its answer, and reads at most a bound that n scores need; redirects
 are refused, as following one would turn the POST into a GET. A request that may succeed on a
 second try (connection refused or reset, a timeout, 5xx, 429) is retried `retries` times with
-exponential backoff; any other answer fails at once. Every failure is one RemoteRewardError
+exponential backoff, waiting longer where a 503 or 429 asks so (Retry-After in seconds, at
+most a minute); any other answer fails at once. Every failure is one RemoteRewardError
 line naming the term and its URL."""
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from hpcnft.rewards.http_protocol import (CONTENT_TYPE, MAX_BODY_BYTES, Protocol
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
+RETRY_AFTER_MAX_S = 60.0  # a server's Retry-After is honoured up to this
 # An answer's bound: a float32 as its shortest float64 decimal is at most 23 characters, so 64
 # per score leaves room for separators and indentation, 4096 for the rest of the JSON.
 ANSWER_BYTES_PER_SCORE = 64
@@ -40,12 +42,24 @@ class RemoteRewardError(RuntimeError):
 
 
 class Retriable(Exception):
-    """An attempt failed in a way a later attempt may not (the reason, one line)."""
+    """An attempt failed in a way a later attempt may not (the reason, one line), and the wait
+    the server asked for (Retry-After), if any."""
+
+    def __init__(self, reason: str, retry_after_s: float = 0.0):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 def backoff_s(attempt: int) -> float:
     """The wait after failed attempt `attempt` (0-based): 0.5 s, doubling, capped."""
     return min(BACKOFF_START_S * 2 ** attempt, BACKOFF_MAX_S)
+
+
+def retry_after_s(value: str | None) -> float:
+    """A Retry-After header's wait in seconds, at most RETRY_AFTER_MAX_S; 0 where it is absent or
+    not a number of seconds (an HTTP date is not honoured: clocks of cluster nodes disagree)."""
+    text = (value or "").strip()
+    return min(float(text), RETRY_AFTER_MAX_S) if text.isascii() and text.isdigit() else 0.0
 
 
 def max_answer_bytes(n: int) -> int:
@@ -210,7 +224,7 @@ class RemoteTerm:
                 e.close()
             reason = f"HTTP {e.code}" + (f" ({detail})" if detail else "")
             if e.code >= 500 or e.code == 429:
-                raise Retriable(reason) from None
+                raise Retriable(reason, retry_after_s(e.headers.get("Retry-After"))) from None
             raise self._fail(reason) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise Retriable(_network_reason(e, self.timeout_s)) from None
@@ -235,9 +249,9 @@ class RemoteTerm:
             try:
                 return torch.from_numpy(self._attempt(body, len(images)))
             except Retriable as e:
-                reason = str(e)
+                reason, asked_s = str(e), e.retry_after_s
             if attempt + 1 < attempts:
-                self.sleep(backoff_s(attempt))
+                self.sleep(max(backoff_s(attempt), asked_s))
         raise self._fail(f"{reason} after {attempts} attempt{'s' if attempts > 1 else ''}")
 
 

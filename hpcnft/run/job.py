@@ -79,7 +79,7 @@ class TrainJob:
             print_err(f"warning: {text}")
 
     def resume(self) -> int:
-        cfg, tr = self.cfg, self.tr
+        tr = self.tr
         for text in self.plan.warnings:
             self._warn(text)
         found = self.plan.checkpoint  # rank 0's choice, on every rank (resume.agree_plan)
@@ -107,8 +107,8 @@ class TrainJob:
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         tuple(term_keys))
         w.set_topology(topo.as_attrs())
-        for text in self.warnings:
-            w.event(start_step, "error", text)
+        for text in self.warnings:  # the resume plan's: skipped checkpoints, changed keys
+            w.event(start_step, "warning", text)
         if rebuilt:
             w.event(start_step, "warning", rebuilt)
         if start_step:

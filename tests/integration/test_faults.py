@@ -1,9 +1,13 @@
 """A dead rank ends the whole job, naming the rank; nothing written is lost. A dead spawner
-leaves no rank behind; a stop signal before the job began is a preemption with nothing saved."""
+leaves no rank behind; a stop signal before the job began is a preemption with nothing saved; a
+remote judge that drips its answer ends the job within the term's timeout_s, naming it."""
 from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -11,6 +15,7 @@ import psutil
 
 from jobs import TINY_ARGS, TINY_STEPS, assert_same_metrics, copy_run, hpcnft, rank_pids, start, wait_for_line
 from hpcnft.io.runfile import read_run
+from hpcnft.rewards.http_server import serve_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -76,3 +81,46 @@ def test_a_stop_signal_before_the_job_began_is_a_preemption_with_nothing_saved(t
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 75, out + err
     assert "nothing to save" in err and "failed" not in err and "Traceback" not in err, err
+
+
+class DrippingJudge(BaseHTTPRequestHandler):
+    """Reads the request, then answers a byte every 0.5 s: never a whole answer in time."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "1000")  # within what 4 scores may take
+        self.end_headers()
+        while not self.server.stopping.is_set():
+            try:
+                self.wfile.write(b" ")
+                self.wfile.flush()
+            except OSError:
+                return
+            self.server.stopping.wait(0.5)
+
+
+def test_a_judge_that_drips_its_answer_ends_the_job_within_timeout_s_naming_the_term(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), DrippingJudge)
+    server.daemon_threads, server.stopping = True, threading.Event()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/score/ocr"
+    term = f'{{kind="remote", name="ocr", url="{url}", timeout_s=2.0, retries=0}}'
+    serve_in_thread(server)
+    try:
+        proc = start("run", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "dripped"),
+                     "--set", f"reward.terms=[{term}]")
+        wait_for_line(proc, "models loaded")
+        began = time.monotonic()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+    # far within layout.timeout_s (600 s) that the train ranks would otherwise wait for scores
+    assert time.monotonic() - began < 120 and proc.returncode != 0
+    why = f"reward term 'ocr' (remote {url}): timed out: no whole answer within 2 s (timeout_s) after 1 attempt"
+    assert f"hpcnft: rank 2 (reward): RewardServiceError: scoring failed: RemoteRewardError: {why}" in err, err[-3000:]

@@ -104,7 +104,8 @@ def test_incomplete_checkpoints_are_skipped_saying_why_and_never_loaded(tiny_run
     assert "step 2/3" in r.stdout and "step 1/3" not in r.stdout
     assert "hpcnft: finished 3 steps (2 in this start" in r.stdout
     assert_same_metrics(tiny_run.run_dir, run_dir)
-    warnings = [e["text"] for e in read_run(run_dir).events if "skipping checkpoint" in e["text"]]
+    warnings = [e["text"] for e in read_run(run_dir).events
+                if e["kind"] == "warning" and "skipping checkpoint" in e["text"]]
     assert any("no COMPLETE marker" in w for w in warnings) and any("is missing" in w for w in warnings)
 
 

@@ -68,17 +68,25 @@ def parsed(argv: list[str]):
 
 
 def test_the_limits_reach_the_server_and_default_to_its_own():
-    assert server_limits(parsed(["jpeg_compressibility", "--max-requests", "3", "--max-body-mib", "5",
-                                 "--request-deadline-s", "2.5"])) == \
-        {"max_requests": 3, "body_budget_bytes": 5 << 20, "request_deadline_s": 2.5}
+    assert server_limits(parsed(["jpeg_compressibility", "--max-requests", "3", "--max-connections", "4",
+                                 "--max-body-mib", "5", "--request-deadline-s", "2.5"])) == \
+        {"max_requests": 3, "max_connections": 4, "body_budget_bytes": 5 << 20, "request_deadline_s": 2.5}
     assert server_limits(parsed(["jpeg_compressibility"])) == \
-        {"max_requests": http_server.MAX_REQUESTS, "body_budget_bytes": http_server.BODY_BUDGET_BYTES,
-         "request_deadline_s": http_server.REQUEST_DEADLINE_S}
+        {"max_requests": http_server.MAX_REQUESTS, "max_connections": http_server.MAX_CONNECTIONS,
+         "body_budget_bytes": http_server.BODY_BUDGET_BYTES, "request_deadline_s": http_server.REQUEST_DEADLINE_S}
+
+
+def test_fewer_connections_than_requests_is_one_line_and_exit_2(capsys):
+    assert main(["reward-server", "jpeg_compressibility", "--max-requests", "4", "--max-connections", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("hpcnft reward-server: error: --max-connections 3 is less than --max-requests 4: "
+                                 "each admitted request holds a connection\n")
 
 
 @pytest.mark.parametrize("option,value,needle", [
     ("--max-requests", "0", "must be a whole number >= 1, got '0'"),
     ("--max-requests", "two", "must be a whole number >= 1, got 'two'"),
+    ("--max-connections", "0", "must be a whole number >= 1, got '0'"),
     ("--max-body-mib", "-1", "must be a whole number >= 1, got '-1'"),
     ("--max-body-mib", "1.5", "must be a whole number >= 1, got '1.5'"),
     ("--request-deadline-s", "0", "must be a number of seconds > 0, got '0'"),

@@ -59,13 +59,18 @@ def npz(**arrays) -> bytes:
     return buf.getvalue()
 
 
+def health(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/v1/health")
+    r = conn.getresponse()
+    assert (r.status, r.getheader("Content-Type")) == (200, "application/json")
+    return json.loads(r.read())
+
+
 def test_health_lists_the_terms_and_scoring_answers_json():
     with running({"ocr": zero_term, "geneval": zero_term}) as server:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-        conn.request("GET", "/v1/health")
-        r = conn.getresponse()
-        assert (r.status, r.getheader("Content-Type"), json.loads(r.read())) == \
-            (200, "application/json", {"terms": ["ocr", "geneval"]})
+        assert health(server.port) == {"terms": ["ocr", "geneval"], "requests": 0, "waiting": 0, "body_bytes": 0,
+                                       "connections": 1}  # its own
         assert post(server, "/v1/score/ocr", encode_request(PROMPTS, images())) == (200, {"scores": [0.0, 0.0]})
 
 
@@ -304,9 +309,29 @@ def test_a_request_that_does_not_fit_waits_briefly_for_a_place():
         first = pool.submit(send_post, server.port, OCR, BODY)
         wait_until(lambda: server.admission.requests == 1)
         second = pool.submit(send_post, server.port, OCR, BODY)
-        wait_until(lambda: server.admission.waiting == 1)
+        wait_until(lambda: health(server.port)["waiting"] == 1)
+        assert health(server.port) == {"terms": ["ocr"], "requests": 1, "waiting": 1, "body_bytes": len(BODY),
+                                       "connections": 3}
         gate.opened.set()
         assert first.result()[0] == second.result()[0] == 200
+
+
+def test_connections_beyond_max_connections_are_503_without_a_thread_and_counted_back():
+    lines = []
+    with running({"ocr": zero_term}, lines, max_requests=1, max_connections=2) as server:
+        idle = [connect(server.port) for _ in range(2)]  # open, silent: each holds a thread
+        wait_until(lambda: server.connections == 2)
+        threads = threading.active_count()
+        with connect(server.port) as sock:
+            status, headers, answer = read_answer(sock)
+        assert (status, headers["Retry-After"], headers["Connection"]) == (503, "1", "close")
+        assert answer["error"] == "busy (more than 2 connections open); retry after 1 s"
+        assert threading.active_count() == threads
+        assert lines == ["reward server: connection from 127.0.0.1: 503 more than 2 connections open; closed"]
+        for sock in idle:
+            sock.close()  # their threads end (a malformed request each) and give their places back
+        wait_until(lambda: server.connections == 0)
+        assert send_post(server.port, OCR, BODY)[0] == 200
 
 
 def test_a_request_gives_back_its_place_and_bytes_whatever_its_answer():
@@ -379,6 +404,7 @@ def test_printable_escapes_all_but_printable_ascii_and_cuts():
 
 
 @pytest.mark.parametrize("limits,needle", [({"max_requests": 0}, "max_requests must be at least 1"),
+                                           ({"max_requests": 3, "max_connections": 2}, "max_connections must be"),
                                            ({"body_budget_bytes": 0}, "body_budget_bytes must be at least 1"),
                                            ({"request_deadline_s": 0}, "request_deadline_s must be a positive"),
                                            ({"request_deadline_s": float("inf")}, "request_deadline_s must be"),

@@ -40,8 +40,8 @@ def url_of(server, name: str) -> str:
 
 
 class Scripted(ThreadingHTTPServer):
-    """Answers each POST with the next (status, body) of `script`, after reading the request;
-    a status of None waits on `release` (a server that does not answer in time)."""
+    """Answers each POST with the next (status, body[, headers]) of `script`, after reading the
+    request; a status of None waits on `release` (a server that does not answer in time)."""
 
     daemon_threads = True
 
@@ -61,11 +61,13 @@ class ScriptedHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         self.server.requests += 1
-        status, body = self.server.script.pop(0) if self.server.script else (500, b"{}")
+        status, body, *headers = self.server.script.pop(0) if self.server.script else (500, b"{}")
         if status is None:
             self.server.release.wait(10)
             return
         self.send_response(status)
+        for key, value in (headers[0] if headers else {}).items():
+            self.send_header(key, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -129,6 +131,15 @@ def test_two_503s_then_an_answer_succeeds_with_two_retries_and_backs_off():
         assert server.requests == 3
     assert got.tolist() == [1.5, 2.0, -3.0]
     assert sleeps == [remote.backoff_s(0), remote.backoff_s(1)] == [0.5, 1.0]
+
+
+def test_a_retry_after_in_seconds_is_waited_for_up_to_a_minute_and_never_less_than_the_backoff():
+    busy = [(503, b"{}", {"Retry-After": "3"}), (429, b"{}", {"Retry-After": "86400"}),
+            (503, b"{}", {"Retry-After": "0"}), (503, b"{}", {"Retry-After": "Fri, 31 Dec 1999 23:59:59 GMT"})]
+    sleeps = []
+    with serving(Scripted([*busy, (200, scores_body([1, 2, 3]))])) as server:
+        assert client(server, retries=4, sleeps=sleeps)(PROMPTS, images()).tolist() == [1.0, 2.0, 3.0]
+    assert sleeps == [3.0, remote.RETRY_AFTER_MAX_S, remote.backoff_s(2), remote.backoff_s(3)] == [3.0, 60.0, 2.0, 4.0]
 
 
 def test_backoff_doubles_and_is_capped():
