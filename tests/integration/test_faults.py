@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -113,14 +112,11 @@ def test_a_judge_that_drips_its_answer_ends_the_job_within_timeout_s_naming_the_
     try:
         proc = start("run", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "dripped"),
                      "--set", f"reward.terms=[{term}]")
-        wait_for_line(proc, "models loaded")
-        began = time.monotonic()
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=300)  # under layout.timeout_s (600 s), which would end it too
     finally:
         server.stopping.set()
         server.shutdown()
         server.server_close()
-    # far within layout.timeout_s (600 s) that the train ranks would otherwise wait for scores
-    assert time.monotonic() - began < 120 and proc.returncode != 0
+    assert proc.returncode == 1
     why = f"reward term 'ocr' (remote {url}): timed out: no whole answer within 2 s (timeout_s) after 1 attempt"
     assert f"hpcnft: rank 2 (reward): RewardServiceError: scoring failed: RemoteRewardError: {why}" in err, err[-3000:]
