@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 
 from hpcnft.common import collector
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if name == "run":  # a stop signal during the imports is kept for the job to act on
         from hpcnft.distributed import preempt
 
-        preempt.catch_early()
+        preempt.catch_early(interrupt=bool(os.environ.get(preempt.SPAWNER_PID_ENV)))
     enabled = gc.isenabled()
     collector.hold_off()  # until the command's libraries and models are loaded (collector.settle)
     try:

@@ -13,7 +13,9 @@ import sys
 
 from hpcnft.common import collector
 from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, UsageError
-from hpcnft.run.rundir import check_existing_run, check_input, default_run_dir, lock_run_dir, tiny_models_needed
+from hpcnft.common.validation import local_world_size
+from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, finished_line, lock_run_dir,
+                               resume_command, tiny_models_needed)
 
 
 def add_arguments(name: str, p) -> None:
@@ -69,7 +71,7 @@ def start(args) -> int:
         return spawn(cfg, args)
     from hpcnft.run.entry import rank_main
 
-    return rank_main(cfg, info, args.recipe)
+    return rank_main(cfg, info, args.recipe, args.overrides)
 
 
 def spawn(cfg, args) -> int:
@@ -80,7 +82,7 @@ def spawn(cfg, args) -> int:
 
     os.umask(int(cfg.umask, 8))  # run dirs and files: private to the user by default (077)
     cfg.run_dir = cfg.run_dir or default_run_dir(args.recipe)
-    check_input(cfg)
+    check_input(cfg, local_world_size(cfg))
     try:
         os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -91,7 +93,10 @@ def spawn(cfg, args) -> int:
         print(f"hpcnft: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        finished = check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        if finished is not None:  # said before any model loads
+            print(f"hpcnft: {finished_line(cfg.run_dir, finished)}", flush=True)
+            return 0
         return spawn_ranks(cfg, args, rank0_fd=(INHERITED_FD_ENV, lock.fd))
     finally:
         lock.release()
@@ -108,8 +113,7 @@ def spawn_ranks(cfg, args, rank0_fd) -> int:
         print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)  # build them once here rather than in every rank
         print(f"hpcnft: tiny models built in {time.perf_counter() - t0:.1f} s", flush=True)
-    world = 1 if cfg.layout.reward_ranks == 0 and cfg.layout.train_ranks == 1 else \
-        cfg.layout.train_ranks + cfg.layout.reward_ranks
+    world = local_world_size(cfg)
     train, reward = groups.roles(world, cfg.layout.reward_ranks)
     argv = ["run", args.recipe, "--run-dir", cfg.run_dir, *sum((["--set", o] for o in args.overrides), [])]
     if args.steps is not None:
@@ -122,8 +126,12 @@ def spawn_ranks(cfg, args, rank0_fd) -> int:
     if early:
         print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    from hpcnft.run.failures import clear_failure_claim, failed_rank
+
+    clear_failure_claim(cfg.run_dir)
+    resume = resume_command(args.recipe, args.overrides, cfg.run_dir, cfg.steps)
     code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd,
-                              entry=entry)
+                              entry=entry, resume_hint=f"`{resume}`", failed_rank=lambda: failed_rank(cfg.run_dir))
     sys.stdout.flush()
     return code
 

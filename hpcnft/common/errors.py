@@ -1,8 +1,9 @@
 """Errors every layer shares, the process exit codes, and errors as one line."""
 from __future__ import annotations
 
-# A rank's and the command's exit codes; 75 (EX_TEMPFAIL) tells Slurm and submitit to requeue.
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED = 0, 1, 2, 75
+# A rank's and the command's exit codes; 75 (EX_TEMPFAIL) tells Slurm and submitit to requeue;
+# 130 (128 + SIGINT, as shells report Ctrl-C): interrupted by the user, checkpointed, not requeued.
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
 
 
 class UsageError(Exception):

@@ -127,6 +127,26 @@ def validate(cfg) -> None:
                           "(the fused projections hold the merged weights)")
 
 
+def local_world_size(cfg) -> int:
+    """The ranks the local spawner starts: the layout's train and reward ranks; one process when
+    a single train rank scores its own samples (colocated)."""
+    layout = cfg.layout
+    return 1 if layout.reward_ranks == 0 and layout.train_ranks == 1 else layout.train_ranks + layout.reward_ranks
+
+
+def check_layout(cfg, world_size: int) -> None:
+    """The checks that need the config and the world size only, made once before any rank loads
+    a model (in the spawner, or by the ranks of a launcher, which every rank fails alike)."""
+    reward_ranks = cfg.layout.reward_ranks if world_size > 1 else 0
+    if reward_ranks >= world_size:
+        raise ConfigError(f"layout.reward_ranks: {reward_ranks} leaves no train rank in a world of {world_size}")
+    train_ranks = world_size - reward_ranks
+    if cfg.samples_per_step % train_ranks:
+        raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
+                          f"{train_ranks} train ranks (prompts_per_step x samples_per_prompt must be a multiple "
+                          f"of the train ranks)")
+
+
 def _validate_terms(terms) -> None:
     names = []
     for i, t in enumerate(terms):

@@ -168,7 +168,8 @@ def teardown() -> None:
 
 # -- the local spawner (no launcher in the environment) ---------------------------------
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-SPAWNER_PID_ENV = "HPCNFT_SPAWNER_PID"  # set by spawn_local for its ranks
+SPAWNER_PID_ENV = preempt.SPAWNER_PID_ENV  # set by spawn_local for its ranks
+STOP_CODES = (75, 130)  # a rank's exit after a stop signal: preempted (checkpointed), interrupted
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 
 
@@ -241,8 +242,7 @@ class ForkedRank:
                     os.close(fd)
             for s in FORWARDED_SIGNALS:  # the spawner's handlers are not the rank's
                 signal.signal(s, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            preempt.catch_early()  # until the rank's PreemptFlag takes over
+            preempt.catch_early(interrupt=True)  # until the rank's PreemptFlag takes over
             os.environ.clear()
             os.environ.update(env)
             code = entry(argv)
@@ -277,13 +277,19 @@ class ForkedRank:
 
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = (sys.executable, "-m", "hpcnft"),
-                rank0_fd: tuple[str, int] | None = None, entry=None) -> int:
+                rank0_fd: tuple[str, int] | None = None, entry=None, resume_hint: str = "",
+                failed_rank=lambda: None) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
-    code of the first rank that failed (128+signal for a signal), else 0. `rank0_fd`
-    (variable name, descriptor): an open file rank 0 inherits, its number in that variable.
-    With `entry` (the command line's main), the ranks are forked from this process and run
-    `entry(argv)` (see ranks_can_fork), else they are new interpreters running `command`."""
+    code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
+    `rank0_fd` (variable name, descriptor): an open file rank 0 inherits, its number in that
+    variable. With `entry` (the command line's main), the ranks are forked from this process and
+    run `entry(argv)` (see ranks_can_fork), else they are new interpreters running `command`.
+
+    A first SIGINT (Ctrl-C) reaches every rank, which checkpoints at the end of its step and
+    exits 130; a second one kills them at once, with `resume_hint` (how to resume) said.
+    `failed_rank()`: the rank that failed first by its own account (the ranks' failure claim),
+    or None: the rank this spawner names, rather than the first one it saw exit."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -300,24 +306,38 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         else:
             procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
 
-    received: set[int] = set()
+    received: list[int] = []  # in order; the loop below says what they did
 
     def forward(signum, _frame):
-        received.add(signum)
+        received.append(signum)
+        again = signum == signal.SIGINT and received.count(signal.SIGINT) > 1
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGKILL if again else signum)
 
     def stopped_by_what_we_forwarded(code: int) -> bool:
         # A rank killed by a stop signal this spawner passed on had nothing to save yet: a
-        # preemption, not a failure of that rank.
-        return code < 0 and -code in received and -code != signal.SIGINT
+        # preemption, not a failure of that rank; one killed after a second Ctrl-C was asked to die.
+        if code == -signal.SIGKILL:
+            return received.count(signal.SIGINT) > 1
+        return code < 0 and -code in received
+
+    def say(text: str) -> None:
+        print(f"hpcnft: {text}", file=sys.stderr, flush=True)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     first_failure: tuple[int, int] | None = None
+    interrupts_said = 0
     deadline = None
     try:
         while True:
+            interrupts = received.count(signal.SIGINT)
+            if interrupts > interrupts_said:
+                interrupts_said = interrupts
+                say("interrupted: the ranks checkpoint at the end of the step under way and stop "
+                    "(Ctrl-C again stops them at once)" if interrupts == 1 else
+                    "interrupted again: the ranks are stopped at once" +
+                    (f"; {resume_hint} resumes from the last checkpoint" if resume_hint else ""))
             # Every exit code is read in the same pass that decides the job is over: ranks that
             # fail together (a full disk, a dead peer) may all end within one poll interval.
             codes = [p.poll() for p in procs]
@@ -325,16 +345,24 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             # others noticed its death and exited on their own.
             killed_first = sorted(enumerate(codes), key=lambda rank_code: (rank_code[1] or 0) >= 0)
             for rank, code in killed_first:
-                if code not in (None, 0) and first_failure is None:
-                    if code is not None and stopped_by_what_we_forwarded(code):
-                        print(f"hpcnft: {signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it "
-                              "could checkpoint: nothing to save", file=sys.stderr, flush=True)
-                        code = preempted_code
-                    first_failure = (rank, code)
-                    if code != preempted_code:
-                        print(f"hpcnft: rank {rank} ({role_of(rank)}) failed: {describe_exit(code)}; "
-                              "stopping the other ranks", file=sys.stderr, flush=True)
-                    deadline = time.monotonic() + grace_s
+                if code in (None, 0) or first_failure is not None:
+                    continue
+                if stopped_by_what_we_forwarded(code):
+                    if code != -signal.SIGKILL:
+                        say(f"{signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it could "
+                            "checkpoint: nothing to save")
+                    code = preempted_code
+                elif code in (*STOP_CODES, preempted_code):
+                    pass  # checkpointed and stopped, as a stop signal asked
+                else:
+                    cause = failed_rank()
+                    rank = rank if cause is None or not 0 <= cause < world_size else cause
+                    ended = codes[rank]
+                    say(f"rank {rank} ({role_of(rank)}) failed" + (f": {describe_exit(ended)}" if ended else "") +
+                        "; stopping the other ranks")
+                    code = ended or code
+                first_failure = (rank, code)
+                deadline = time.monotonic() + grace_s
             if all(code is not None for code in codes):
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -348,4 +376,6 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     if first_failure is None:
         return 0
     _, code = first_failure
+    if signal.SIGINT in received and code in (*STOP_CODES, preempted_code):
+        return 130
     return 128 - code if code < 0 else code

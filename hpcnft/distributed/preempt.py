@@ -5,8 +5,10 @@ job's processes right after a requeue, so it comes last), unless the signal was 
 SIGTERM: then Slurm is ending the job already and has decided what follows.
 
 SIGHUP stops the same way without a requeue: the local spawner's ranks receive it when the
-spawner dies (groups.end_with_parent) or the terminal hangs up. A stop signal that lands
-before a rank has its flag (while it imports) is kept by `catch_early` and handed to the flag."""
+spawner dies (groups.end_with_parent) or the terminal hangs up. SIGINT (Ctrl-C) is an
+interrupt: the same checkpoint and stop, no requeue, exit 130; a second Ctrl-C makes the local
+spawner stop its ranks at once. A stop signal that lands before a rank has its flag (while it
+imports) is kept by `catch_early` and handed to the flag."""
 from __future__ import annotations
 
 import os
@@ -14,7 +16,9 @@ import signal
 import subprocess
 
 STOP_SIGNAL = "SIGHUP"  # the spawner died, or the terminal hung up: checkpoint and stop, no requeue
+INTERRUPT_SIGNAL = "SIGINT"  # Ctrl-C: checkpoint and stop, no requeue, exit 130
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+SPAWNER_PID_ENV = "HPCNFT_SPAWNER_PID"  # set by the local spawner (groups.spawn_local) for its ranks
 _early: list[int] = []  # the first stop signal received before a PreemptFlag existed
 
 
@@ -23,12 +27,14 @@ def _record_early(signum, _frame) -> None:
         _early.append(signum)
 
 
-def catch_early() -> None:
+def catch_early(interrupt: bool = False) -> None:
     """Keep a stop signal that arrives before the rank's PreemptFlag is made (the rank is still
     importing): the flag then acts on it, instead of the signal's default killing the rank
-    with 128+N and nothing said."""
-    _early.clear()
-    for signum in EARLY_SIGNALS:
+    with 128+N and nothing said. `interrupt`: SIGINT too, for a rank of the local spawner, which
+    a Ctrl-C reaches with the spawner (elsewhere a Ctrl-C before the job began just stops it)."""
+    if signal.getsignal(signal.SIGTERM) is not _record_early:  # a second call keeps what the first caught
+        _early.clear()
+    for signum in EARLY_SIGNALS + ((signal.SIGINT,) if interrupt else ()):
         signal.signal(signum, _record_early)
 
 
@@ -40,10 +46,10 @@ def early_signal() -> str:
 class PreemptFlag:
     def __init__(self, signal_name: str, handle_sigterm: bool, log):
         self.requested = False
-        self.signal_name = ""
+        self.signal_name, self.preempt_signal = "", signal_name
         self.log = log
         names = [signal_name] + (["SIGTERM"] if handle_sigterm and signal_name != "SIGTERM" else [])
-        names += [STOP_SIGNAL] if STOP_SIGNAL not in names else []
+        names += [name for name in (STOP_SIGNAL, INTERRUPT_SIGNAL) if name not in names]
         self.signals = []
         for name in names:
             try:
@@ -57,7 +63,7 @@ class PreemptFlag:
     def _take_early(self) -> None:
         """Act on a signal catch_early kept: a flag's signal sets the flag; any other one gets
         its default action now, as it would have had without catch_early."""
-        for signum in EARLY_SIGNALS:
+        for signum in EARLY_SIGNALS + (signal.SIGINT,):
             if signum not in self.signals and signal.getsignal(signum) is _record_early:
                 signal.signal(signum, signal.SIG_DFL)
         if not _early:
@@ -67,6 +73,11 @@ class PreemptFlag:
             self._handler(signum, None)
         else:
             os.kill(os.getpid(), signum)
+
+    @property
+    def interrupted(self) -> bool:
+        """The stop was the user's Ctrl-C (SIGINT), not a scheduler's signal."""
+        return self.signal_name == INTERRUPT_SIGNAL != self.preempt_signal
 
     def retire(self) -> None:
         """Ignore the preempt signals from now on: the rank has finished (or failed) and its exit
@@ -92,6 +103,8 @@ def leave_requeue_to_slurm(received: str, preempt_signal: str) -> str | None:
     user wants it gone), an external `scontrol requeue` or a preemption with requeue (Slurm
     requeues it), the time limit (the job is over; a time-limited job asks for the warning
     signal, `--signal=USR2@120`, to be requeued)."""
+    if received == INTERRUPT_SIGNAL and preempt_signal != INTERRUPT_SIGNAL:
+        return f"{INTERRUPT_SIGNAL}: interrupted by the user; not requeued"
     if received == STOP_SIGNAL and preempt_signal != STOP_SIGNAL:
         return f"{STOP_SIGNAL}: the process that started the ranks, or their terminal, is gone; not requeued"
     if received == "SIGTERM" and preempt_signal != "SIGTERM":

@@ -227,13 +227,14 @@ def next_request(group, active: list[int]) -> tuple[int, torch.Tensor]:
 
 
 def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=None,
-          columns: dict[int, int] = ONE_TERM) -> dict[str, float]:
+          columns: dict[int, int] = ONE_TERM, on_failure=lambda: None) -> dict[str, float]:
     """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
     host group `group` (None: the world group, when it is gloo already).
     `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n, columns[kind]]`. Returns
     busy/idle seconds and whether the train ranks stopped for preemption.
     `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's
-    ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told."""
+    ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told;
+    `on_failure()` runs first, before the train rank hears of it (the failure claim)."""
     active = list(clients)
     busy = idle = 0.0
     preempted = False
@@ -266,6 +267,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                 snapshot_fn(step)
                 reply(ready, OK, 0, _encode_msg(""))
             except Exception as e:  # noqa: BLE001
+                on_failure()
                 reply(ready, FAILED, 0, _encode_msg(f"{type(e).__name__}: {e}"))
                 raise
         else:
@@ -278,6 +280,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                                              f"{columns[kind]} reward terms")
                 status, text = OK, ""
             except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
+                on_failure()
                 scores, status, text = torch.zeros((n, columns[kind])), FAILED, f"{type(e).__name__}: {e}"
             busy += time.monotonic() - now
             reply(ready, status, n, scores, _encode_msg(text))

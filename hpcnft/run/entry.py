@@ -14,17 +14,21 @@ import torch.distributed as dist
 from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
 from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, UsageError, one_line
+from hpcnft.common.validation import check_layout
+from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError,
+                                  one_line)
 from hpcnft.distributed import groups
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
-from hpcnft.run.output import fail_line, log, log_exception, print_err, restore_stderr, setup_logging
+from hpcnft.run.failures import clear_failure_claim
+from hpcnft.run.output import fail_line, log, log_exception, print_err, report_failure, restore_stderr, setup_logging
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import check_trackers, default_run_dir, lock_run_dir, tiny_models_needed
+from hpcnft.run.rundir import (check_trackers, default_run_dir, finished_line, lock_run_dir, resume_command,
+                               tiny_models_needed)
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -58,7 +62,8 @@ def take_run_dir(cfg: Config, rank: int, notes: list[str]):
     return lock, outcome[0]
 
 
-def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
+def rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides=()) -> int:
+    """The rank's exit code. `recipe` and `overrides` are the command's: what a resume repeats."""
     groups.name_process(info.rank)
     device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
@@ -68,7 +73,7 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     if os.environ.get(groups.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
         groups.end_with_parent(int(os.environ[groups.SPAWNER_PID_ENV]))
     try:
-        code = _rank_main(cfg, info, recipe, flag)
+        code = _rank_main(cfg, info, recipe, list(overrides), flag)
     finally:
         flag.retire()  # the rank's outcome is decided: a late preempt signal must not change it
         restore_stderr()
@@ -82,21 +87,27 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str) -> int:
     return code
 
 
-def stopped_before_start(flag: PreemptFlag, rank: int) -> bool:
+def stopped_before_start(flag: PreemptFlag, rank: int) -> int | None:
     """A stop signal that came before the job began (while the rank imported or built the tiny
-    models): there is nothing to checkpoint, so the rank leaves as a preempted one."""
-    if flag.requested and rank == 0:
-        print_err(f"{flag.signal_name} before the job started: nothing to save")
-    return flag.requested
+    models): there is nothing to checkpoint, so the rank leaves as a preempted (or interrupted)
+    one: its exit code, else None."""
+    if not flag.requested:
+        return None
+    if rank == 0:
+        what = "interrupted" if flag.interrupted else flag.signal_name
+        print_err(f"{what} before the job started: nothing to save")
+    return EXIT_INTERRUPTED if flag.interrupted else EXIT_PREEMPTED
 
 
-def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) -> int:
+def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str], flag: PreemptFlag) -> int:
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
-    if stopped_before_start(flag, info.rank):
-        return EXIT_PREEMPTED
+    stopped = stopped_before_start(flag, info.rank)
+    if stopped is not None:
+        return stopped
     try:  # under a launcher no preflight ran: every rank refuses before the rendezvous, rank 0 says why
         check_trackers(cfg)
-    except UsageError as e:
+        check_layout(cfg, info.world_size)
+    except (UsageError, ConfigError) as e:
         if info.rank == 0:
             print_err(str(e))
         return EXIT_BAD_INPUT
@@ -107,11 +118,13 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
             print("hpcnft: building the tiny models (once, into the cache)", flush=True)
         resolve_model_paths(cfg)
         build_tiny_models(cfg)  # the reward terms' tiny models
-    except BAD_INPUT as e:
-        print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
+    except BAD_INPUT as e:  # every rank of a node meets it alike: its first rank says it
+        if info.local_rank == 0:
+            print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
         return EXIT_BAD_INPUT
-    if stopped_before_start(flag, info.rank):
-        return EXIT_PREEMPTED
+    stopped = stopped_before_start(flag, info.rank)
+    if stopped is not None:
+        return stopped
     try:
         topo, group, mesh = groups.setup(cfg, info)
     except ConfigError as e:
@@ -129,14 +142,18 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, flag: PreemptFlag) ->
             print_err(line)
         groups.teardown()
         return code
+    if topo.rank == 0:
+        clear_failure_claim(cfg.run_dir)  # before agree_plan's collective: no rank has failed yet
     try:
-        return _run_role(cfg, topo, group, mesh, flag, notes, info.endpoint)
+        resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
+        return _run_role(cfg, topo, group, mesh, flag, notes, info.endpoint, resume)
     finally:
         if lock:
             lock.release()  # a clean exit clears the holder line; a killed owner leaves it
 
 
-def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str], endpoint: str) -> int:
+def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str], endpoint: str,
+              resume: str) -> int:
     setup_logging(cfg.run_dir, topo.rank)
     log.info("rank %d of %d (%s) on %s, launcher %s, pid %d", topo.rank, topo.world_size, topo.role, topo.device,
              topo.launcher, os.getpid())
@@ -153,19 +170,20 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
         if topo.rank == 0:
             print_err(fail_line(topo, e) + ("" if refused else f" (traceback in {cfg.run_dir}/logs/rank0.log)"))
         return EXIT_BAD_INPUT if refused else EXIT_FAILED
+    done = plan.checkpoint[0] if plan.checkpoint and not plan.rebuild_why else -1
+    if done >= cfg.steps:  # said before any model loads
+        if topo.rank == 0:
+            print(f"hpcnft: {finished_line(cfg.run_dir, done)}", flush=True)
+        groups.teardown()
+        return EXIT_OK
     try:
-        if cfg.samples_per_step % len(topo.train_ranks):
-            raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
-                              f"{len(topo.train_ranks)} train ranks")
         code = reward_main(cfg, topo, flag, plan) if topo.role == "reward" else \
-            train_main(cfg, topo, group, mesh, flag, plan)
-    except BAD_INPUT as e:
-        log_exception(topo, e)
-        print_err(fail_line(topo, e))
+            train_main(cfg, topo, group, mesh, flag, plan, resume)
+    except BAD_INPUT as e:  # every rank meets it alike: said once
+        report_failure(topo, cfg.run_dir, e)
         return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - one line out, the traceback in the rank's log
-        log_exception(topo, e)
-        print_err(fail_line(topo, e) + f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
+        report_failure(topo, cfg.run_dir, e, f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
         return EXIT_FAILED
     groups.teardown()
     return code

@@ -16,15 +16,18 @@ from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_co
 from hpcnft.algo.trainer import Trainer
 from hpcnft.common import collector, determinism
 from hpcnft.common.config import Config
-from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
+from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
 from hpcnft.io import checkpoint
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers
-from hpcnft.run.output import fail_line, log, print_err, progress_line, save_grid
+from hpcnft.rewards.registry import training_terms
+from hpcnft.run.failures import claim_failure
+from hpcnft.run.output import fail_line, log, print_err, progress_line, reward_header, save_grid
 from hpcnft.run.resume import ResumePlan
+from hpcnft.run.rundir import finished_line
 
 
 def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
@@ -51,8 +54,9 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
 class TrainJob:
     """A train rank's run: resume, iterate, evaluate, checkpoint, stop on preemption."""
 
-    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan):
+    def __init__(self, cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan, resume: str = ""):
         self.cfg, self.topo, self.group, self.flag, self.plan = cfg, topo, group, flag, plan
+        self.resume_command = resume  # what the user types to go on after a stop
         self.say("loading the models")
         t0 = time.perf_counter()
         self.tr = build_train_rank(cfg, topo, group, mesh)
@@ -227,6 +231,8 @@ class TrainJob:
             self.open_run_file(start_step)
             self.warn_truncated_prompts(start_step)
             self.open_trackers(start_step)
+            if start_step < cfg.steps:  # what the progress line's `reward` is
+                self.say(reward_header(cfg.reward.scale, training_terms(cfg)))
         w = self.writer
         if cfg.eval.at_start and start_step == 0:
             m = tr.evaluate()
@@ -234,9 +240,8 @@ class TrainJob:
                 w.append_metrics(0, m)
                 self.trackers.log_row(0, m)
         t_begin = time.perf_counter()
-        if start_step >= cfg.steps:
-            self.say(f"{cfg.run_dir} already finished at step {start_step}; nothing to run "
-                     f"(--steps N with N > {start_step} continues it)")
+        if start_step >= cfg.steps:  # run.h5 was rebuilt first (entry says it before loading otherwise)
+            self.say(finished_line(cfg.run_dir, start_step))
         for step in range(start_step + 1, cfg.steps + 1):
             self.step = step
             metrics, ro = tr.iteration(step)
@@ -262,10 +267,10 @@ class TrainJob:
                 return self.preempted(step)
         tr.client.finish(cfg.steps)
         if w:
-            w.event(cfg.steps, "done", f"finished {cfg.steps} steps")
+            w.event(cfg.steps, "done", f"finished {steps_text(cfg.steps)}")
         if start_step < cfg.steps:
             wall = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - t_begin))
-            self.say(f"finished {cfg.steps} steps ({cfg.steps - start_step} in this start, {wall}); run file "
+            self.say(f"finished {steps_text(cfg.steps)} ({cfg.steps - start_step} in this start, {wall}); run file "
                      f"{os.path.join(cfg.run_dir, 'run.h5')}; last checkpoint {self.last_checkpoint or 'none'}")
         return EXIT_OK
 
@@ -280,15 +285,24 @@ class TrainJob:
                 self.writer.event(step, "requeue", skip or f"requeue of Slurm job {job} requested")
                 self.requeue_job = "" if skip else job
         if self.topo.rank == 0:
-            print(f"hpcnft: preempted at step {step}; the same command resumes from its checkpoint", flush=True)
-        return EXIT_PREEMPTED
+            how = "interrupted" if self.flag.interrupted else "preempted"
+            then = f"; Slurm job {self.requeue_job} is requeued to resume it" if self.requeue_job else \
+                (f"; `{self.resume_command}` resumes it" if self.resume_command else "")
+            print(f"hpcnft: {how} at step {step}: checkpointed{then}", flush=True)
+        return EXIT_INTERRUPTED if self.flag.interrupted else EXIT_PREEMPTED
 
 
-def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan) -> int:
-    job = TrainJob(cfg, topo, group, mesh, flag, plan)
+def steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
+
+
+def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan, resume: str = "") -> int:
+    job = TrainJob(cfg, topo, group, mesh, flag, plan, resume)
     try:
         return job.run()
     except BaseException as e:
+        if isinstance(e, Exception):  # before the error is relayed: the first failure is this rank's
+            claim_failure(cfg.run_dir, topo.rank)
         if job.writer:
             try:
                 job.writer.event(job.step, "error", fail_line(topo, e))

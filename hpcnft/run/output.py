@@ -14,6 +14,7 @@ import torch
 from hpcnft.algo.sampler import prompt_grid
 from hpcnft.common.errors import first_line
 from hpcnft.distributed import netif
+from hpcnft.run.failures import claim_failure, failed_rank
 
 log = logging.getLogger("hpcnft")
 
@@ -59,6 +60,20 @@ def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, fi
             f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 
+# What each kind's score is, for the line that says what the progress line's reward means
+TERM_MEANING = {"pickscore": "PickScore", "hpsv2": "HPS v2.1", "clipscore": "CLIP score", "aesthetic": "LAION aesthetic",
+                "jpeg_compressibility": "-JPEG kB", "jpeg_incompressibility": "JPEG kB", "remote": "remote"}
+
+
+def reward_header(scale: float, terms) -> str:
+    """`reward = 0.5 x hps (HPS v2.1) + 1 x small (-JPEG kB)`: the training reward the progress
+    line's `reward` shows, from reward.scale and the training terms."""
+    weighted = len(terms) > 1 or terms[0].weight != 1
+    parts = [f"{f'{t.weight:g} x ' if weighted else ''}{t.name} ({TERM_MEANING.get(t.kind, t.kind)})" for t in terms]
+    total = " + ".join(parts).replace("+ -", "- ")
+    return f"reward = {total}" if scale == 1 else f"reward = {scale:g} x ({total})"
+
+
 def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str]) -> str:
     """samples/step_<k>.png: a column per prompt, headed by its text."""
     from PIL import Image
@@ -87,3 +102,13 @@ def print_err(line: str) -> None:
 
 def log_exception(topo, e: BaseException) -> None:
     log.error("%s\n%s", fail_line(topo, e), traceback.format_exc())
+
+
+def report_failure(topo, run_dir: str, e: BaseException, where: str = "") -> None:
+    """A rank's failure: its traceback to its log; its line to the terminal if it is the job's
+    first failure, else to its log only. `where`: a pointer added to the line (its traceback)."""
+    log_exception(topo, e)
+    if claim_failure(run_dir, topo.rank):
+        print_err(fail_line(topo, e) + where)
+    else:
+        log.error("after rank %s's failure: %s", failed_rank(run_dir), fail_line(topo, e))

@@ -4,21 +4,30 @@ config, and that the prompt files and model folders are there."""
 from __future__ import annotations
 
 import os
+import shlex
 import time
 
 from hpcnft.common.errors import UsageError
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, world_size: int | None = None) -> None:
     """Bad input found before any rank starts: raise UsageError with one line."""
-    check_input(cfg)
+    check_input(cfg, world_size)
     check_existing_run(cfg)
 
 
-def check_input(cfg) -> None:
+def check_input(cfg, world_size: int | None = None) -> None:
     """preflight's checks that do not read the run dir's contents (a run that holds the run dir
-    may be writing them)."""
+    may be writing them); the layout's against `world_size` when the job's size is known."""
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
+    from hpcnft.common.errors import ConfigError
+    from hpcnft.common.validation import check_layout
+
+    if world_size is not None:
+        try:
+            check_layout(cfg, world_size)
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError,
                                        check_folder)
 
@@ -78,6 +87,13 @@ def check_backend(cfg) -> None:
         raise UsageError(str(e)) from None
 
 
+def resume_command(recipe: str, overrides, run_dir: str, steps: int) -> str:
+    """The command that resumes this run: its recipe, overrides and step count, and its run dir
+    named (an auto-named one is not chosen again), quoted for a POSIX shell."""
+    sets = [word for item in overrides for word in ("--set", item)]
+    return shlex.join(["hpcnft", "run", recipe, "--run-dir", run_dir, *sets, "--steps", str(steps)])
+
+
 def default_run_dir(recipe: str) -> str:
     name = os.path.splitext(os.path.basename(recipe))[0]
     return os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -92,22 +108,31 @@ def tiny_models_needed(cfg) -> bool:
     return (sd3_and_pickscore and not built(cache)) or (flux and not built(os.path.join(cache, FLUX_DIRNAME)))
 
 
-def check_existing_run(cfg) -> None:
+def finished_line(run_dir: str, step: int) -> str:
+    return f"{run_dir} already finished at step {step}; nothing to run (--steps N with N > {step} continues it)"
+
+
+def check_existing_run(cfg) -> int | None:
     """A run dir that already holds a run may only be resumed with a compatible config, and
-    its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it)."""
+    its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it).
+    Returns the step a finished run ended at (its newest checkpoint is at cfg.steps or later,
+    and its run.h5 needs no rebuilding), else None: then there is something to run."""
     from hpcnft.common.config import ConfigError
     from hpcnft.common.config_changes import differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
 
     try:
-        resumable = False
+        resumable, finished = False, None
         if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
             from hpcnft.run.resume import RunFileLostError, plan_resume
 
             try:
-                resumable = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None).checkpoint is not None
+                plan = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None)
             except RunFileLostError as e:
                 raise UsageError(str(e)) from None
+            resumable = plan.checkpoint is not None
+            if resumable and plan.checkpoint[0] >= cfg.steps and not plan.rebuild_why:
+                finished = plan.checkpoint[0]
         path = os.path.join(cfg.run_dir, "run.h5")
         if not resumable and os.path.lexists(path):
             stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
@@ -119,6 +144,7 @@ def check_existing_run(cfg) -> None:
         raise UsageError(str(e)) from None
     except RunFileError as e:
         raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
+    return finished
 
 
 def check_run_dir(path: str) -> None:

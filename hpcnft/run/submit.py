@@ -34,7 +34,7 @@ class HpcnftJob(submitit.helpers.Checkpointable):
         os.environ["HPCNFT_LAUNCHER"] = "submitit"
         cfg = load_config(recipe, overrides, steps=steps, run_dir=run_dir)
         submitit_handler = signal.getsignal(signal.SIGUSR2)  # submitit's checkpoint-and-requeue
-        code = rank_main(cfg, detect(os.environ), recipe)
+        code = rank_main(cfg, detect(os.environ), recipe, overrides)
         if code == EXIT_PREEMPTED:
             # Our checkpoint is written and every file closed: now let submitit requeue the job
             # (it does so on global rank 0 and exits; the other ranks just return).
@@ -93,7 +93,7 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
         check_free(run_dir)  # a run dir in use is refused now, not when the job starts
     except OSError as e:
         raise UsageError(f"run dir {run_dir!r}: cannot read its lock file: {e.strerror or e}") from None
-    preflight(cfg)
+    preflight(cfg, None if cluster == "debug" else nodes * tasks_per_node)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     folder = folder or os.path.join(run_dir, "submitit")
     executor = make_executor(cluster, folder, nodes, tasks_per_node, gpus_per_node, cpus_per_task, timeout_min,

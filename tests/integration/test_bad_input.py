@@ -102,6 +102,12 @@ def _case_run_dir_below_a_regular_file(tmp):
     return ["--run-dir", str(run_dir)], [str(run_dir)]
 
 
+def _case_layout_that_does_not_split_the_samples(tmp):
+    # a run dir that does not exist yet: the refusal leaves none behind (tested below)
+    return ["--set", "layout.train_ranks=3", "--run-dir", str(tmp / "fresh")], \
+        ["16 samples per step", "3 train ranks"]
+
+
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "missing FLUX folder": _case_missing_flux_folder,
@@ -115,6 +121,7 @@ CASES = {
     "out of range": _case_out_of_range,
     "unknown tracker": _case_unknown_tracker,
     "run dir below a regular file": _case_run_dir_below_a_regular_file,
+    "layout that does not split the samples": _case_layout_that_does_not_split_the_samples,
 }
 
 
@@ -169,6 +176,28 @@ def test_bad_input_is_one_line_and_exit_2(case, outcomes):
     assert _snapshot(run_dir) == before  # same names, modes and bytes
     assert (run_dir / "sentinel.bin").read_bytes() == SENTINEL
     assert not (root / "cache").exists()  # nothing got as far as building models
+
+
+def test_a_layout_refused_before_any_rank_leaves_no_run_dir(outcomes):
+    root = outcomes["layout that does not split the samples"][4]
+    assert not (root / "fresh").exists()
+
+
+@pytest.mark.parametrize("rank,said", [(0, True), (1, False)])
+def test_under_a_launcher_a_layout_that_does_not_fit_is_refused_before_the_rendezvous_said_by_rank_0(
+        tmp_path, rank, said):
+    """torchrun's variables for 4 ranks of which 3 train 16 samples: every rank exits 2 before
+    loading anything or meeting its peers; rank 0 alone says why."""
+    env = {**_env(tmp_path), "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--run-dir", str(tmp_path / "run"),
+                           "--set", "layout.train_ranks=3"], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    if said:
+        _assert_one_line_exit_2(proc, ["16 samples per step", "3 train ranks"])
+    else:
+        assert (proc.returncode, proc.stderr) == (2, ""), proc.stderr
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
 def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):

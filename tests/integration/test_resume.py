@@ -66,7 +66,7 @@ def test_every_interrupted_start_resumes_and_the_run_ends_with_the_uninterrupted
 
 
 def test_a_shorter_run_then_more_steps(interrupted):
-    assert "hpcnft: finished 1 steps" in interrupted["first"].stdout  # the first start was a run of its own
+    assert "hpcnft: finished 1 step (1 in this start" in interrupted["first"].stdout  # a run of its own
     code, out, _ = interrupted["preempted"]
     assert "hpcnft: resuming after step 1 from checkpoint" in out and "step 2/3" in out and "step 1/3" not in out
 
@@ -116,6 +116,7 @@ def test_a_finished_run_started_again_runs_nothing(tiny_run, tmp_path):
             in r.stdout.splitlines()), r.stdout
     assert not [line for line in r.stdout.splitlines() if line.startswith("step ")], r.stdout
     assert "finished 3 steps (" not in r.stdout
+    assert "loading the models" not in r.stdout and "rank(s)" not in r.stdout  # decided before any rank starts
 
 
 def test_resume_with_another_learning_rate_is_refused(tiny_run, tmp_path):

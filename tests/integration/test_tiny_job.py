@@ -32,10 +32,12 @@ def test_three_steps_write_every_metric(tiny_run):
 
 
 def test_the_terminal_shows_loading_progress_and_a_closing_summary(tiny_run):
-    """What a run tells the user: the models loading with their time, a line per step, and a
-    closing summary naming the run file and the last checkpoint."""
+    """What a run tells the user: the models loading with their time, what the reward is, a line
+    per step, and a closing summary naming the run file and the last checkpoint."""
     lines = tiny_run.stdout.splitlines()
     assert "hpcnft: loading the models" in lines
+    assert lines.index("hpcnft: reward = pickscore (PickScore)") < lines.index(
+        [x for x in lines if x.startswith("step 1/3")][0])
     assert any(re.fullmatch(r"hpcnft: models loaded in \d+\.\d s", line) for line in lines), tiny_run.stdout
     where = re.escape(tiny_run.run_dir)
     assert re.fullmatch(rf"hpcnft: finished 3 steps \(3 in this start, \d\d:\d\d:\d\d\); run file {where}/run\.h5; "

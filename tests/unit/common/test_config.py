@@ -260,3 +260,17 @@ def test_trackers_may_change_on_resume():
     a = load_config("tiny").to_dict()
     b = load_config("tiny", ['logging.trackers=["tensorboard"]']).to_dict()
     assert differing_keys(a, b) == []
+
+
+def test_the_layout_is_checked_against_the_world_size():
+    from hpcnft.common.validation import check_layout, local_world_size
+
+    cfg = load_config("tiny")  # 16 samples a step
+    assert local_world_size(cfg) == 3
+    check_layout(cfg, 3)
+    check_layout(cfg, 1)  # one process: colocated
+    with pytest.raises(ConfigError, match="16 samples per step do not split evenly over 3 train ranks"):
+        check_layout(load_config("tiny", ["layout.train_ranks=3"]), 4)
+    with pytest.raises(ConfigError, match="layout.reward_ranks: 2 leaves no train rank in a world of 2"):
+        check_layout(load_config("tiny", ["layout.reward_ranks=2"]), 2)
+    assert local_world_size(load_config("tiny", ["layout.train_ranks=1", "layout.reward_ranks=0"])) == 1

@@ -128,7 +128,8 @@ def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch
     seen = {}
     monkeypatch.setattr(cli_run, "tiny_models_needed", lambda cfg: built_here)
     monkeypatch.setattr("hpcnft.models.loading.resolve_model_paths", lambda cfg: None)
-    monkeypatch.setattr(groups, "spawn_local", lambda argv, world, role_of, rank0_fd, entry: seen.update(entry=entry))
+    monkeypatch.setattr(groups, "spawn_local",
+                        lambda argv, world, role_of, rank0_fd, entry, **kw: seen.update(entry=entry))
     monkeypatch.setattr(groups, "ranks_can_fork", lambda cfg: True)
     cfg = load_config("tiny", run_dir=str(tmp_path))
     cli_run.spawn_ranks(cfg, argparse.Namespace(recipe="tiny", overrides=[], steps=1), rank0_fd=None)
@@ -163,3 +164,61 @@ def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(ca
 def test_ranks_are_told_which_process_spawned_them():
     script = "import os, sys; sys.exit(0 if os.environ['HPCNFT_SPAWNER_PID'] == str(os.getppid()) else 4)"
     assert spawn(script, "exec") == 0 and spawn(script, "fork") == 0
+
+
+def interrupt_after_forwarding(times: int, gap_s: float = 1.0) -> None:
+    """Ctrl-C to this process (the spawner), `times` times, once it forwards signals."""
+    import signal
+    import threading
+
+    def send():
+        while getattr(signal.getsignal(signal.SIGINT), "__name__", "") != "forward":
+            time.sleep(0.02)
+        for _ in range(times):
+            time.sleep(gap_s)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
+# A rank as a real one answers Ctrl-C: the flag is set, the step under way ends, it exits 130
+INTERRUPTIBLE = ("import signal, sys, time\n"
+                 "got = []\n"
+                 "signal.signal(signal.SIGINT, lambda s, f: got.append(s))\n"
+                 "while not got:\n"
+                 "    time.sleep(0.02)\n"
+                 "time.sleep(STEP_S)\n"
+                 "sys.exit(130)")
+
+
+def test_a_ctrl_c_lets_the_ranks_checkpoint_and_exits_130_blaming_none(capfd):
+    interrupt_after_forwarding(1)
+    script = INTERRUPTIBLE.replace("STEP_S", "0.5")
+    assert spawn_local([], 3, role, command=(sys.executable, "-c", script), resume_hint="`hpcnft run x`") == 130
+    err = capfd.readouterr().err
+    assert err == ("hpcnft: interrupted: the ranks checkpoint at the end of the step under way and stop "
+                   "(Ctrl-C again stops them at once)\n")
+
+
+def test_a_second_ctrl_c_stops_the_ranks_at_once_and_says_how_to_resume(capfd, tmp_path):
+    interrupt_after_forwarding(2)
+    # a step that would outlast the test, after which a rank leaves a mark: none must be left
+    script = INTERRUPTIBLE.replace("STEP_S", "120").replace(
+        "sys.exit(130)", f"open({str(tmp_path / 'finished')!r} + os.environ['RANK'], 'w'); sys.exit(130)")
+    script = "import os\n" + script
+    assert spawn_local([], 3, role, command=(sys.executable, "-c", script), resume_hint="`hpcnft run x`") == 130
+    assert not list(tmp_path.iterdir())
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[1] == ("hpcnft: interrupted again: the ranks are stopped at once; `hpcnft run x` resumes from "
+                        "the last checkpoint") and len(lines) == 2 and "failed" not in lines[0]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd, how):
+    """Rank 2 fails first (it claims the failure), rank 1 notices and exits before it does."""
+    script = ("import os, sys, time; r = int(os.environ['RANK'])\n"
+              "if r == 1: sys.exit(1)\n"
+              "time.sleep(1.5); sys.exit(1 if r == 2 else 0)")
+    assert spawn(script, how, failed_rank=lambda: 2) == 1
+    err = capfd.readouterr().err
+    assert err == "hpcnft: rank 2 (reward) failed; stopping the other ranks\n"

@@ -87,3 +87,15 @@ def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
     assert order == ["close"]
     job.close_then_requeue(None, "8")
     assert capsys.readouterr().err.strip() == "hpcnft: scontrol requeue 8 failed: Invalid job id"
+
+
+def test_the_reward_line_names_each_training_term_its_weight_and_what_it_scores():
+    from hpcnft.common.config import RewardTermConfig as Term
+    from hpcnft.rewards.registry import training_terms
+    from hpcnft.run.output import reward_header
+
+    assert reward_header(1.0, training_terms(load_config("tiny"))) == "reward = pickscore (PickScore)"
+    jpeg = Term(kind="jpeg_compressibility", name="jpeg_compressibility")
+    assert reward_header(1.0, [jpeg]) == "reward = jpeg_compressibility (-JPEG kB)"
+    mix = [Term(kind="hpsv2", name="hps", weight=0.5), Term(kind="jpeg_compressibility", name="small", weight=-0.002)]
+    assert reward_header(2.0, mix) == "reward = 2 x (0.5 x hps (HPS v2.1) - 0.002 x small (-JPEG kB))"

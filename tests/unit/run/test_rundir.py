@@ -35,3 +35,16 @@ def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
         assert str(e.value).startswith(checkpoint.partial_dir(run_dir, 2))
         assert checkpoint.problems(good) is None
         assert len(runfile.read_run(h5).metrics["train/nft_loss"]) == 2
+
+
+def test_the_resume_command_names_the_run_dir_and_repeats_the_overrides_quoted():
+    import shlex
+
+    from hpcnft.run.rundir import resume_command
+
+    cmd = resume_command("tiny", ["optim.lr=1e-4", 'logging.trackers=["tensorboard"]'], "runs/tiny-20261205-0900",
+                         50)
+    assert cmd == ("hpcnft run tiny --run-dir runs/tiny-20261205-0900 --set optim.lr=1e-4 "
+                   "--set 'logging.trackers=[\"tensorboard\"]' --steps 50")
+    assert shlex.split(cmd)[1:] == ["run", "tiny", "--run-dir", "runs/tiny-20261205-0900", "--set", "optim.lr=1e-4",
+                                    "--set", 'logging.trackers=["tensorboard"]', "--steps", "50"]
