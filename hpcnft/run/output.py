@@ -61,8 +61,9 @@ def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, fi
 
 
 # What each kind's score is, for the line that says what the progress line's reward means
-TERM_MEANING = {"pickscore": "PickScore", "hpsv2": "HPS v2.1", "clipscore": "CLIP score", "aesthetic": "LAION aesthetic",
-                "jpeg_compressibility": "-JPEG kB", "jpeg_incompressibility": "JPEG kB", "remote": "remote"}
+TERM_MEANING = {"pickscore": "PickScore", "hpsv2": "HPS v2.1", "clipscore": "CLIP score",
+                "aesthetic": "LAION aesthetic", "jpeg_compressibility": "-JPEG kB", "jpeg_incompressibility": "JPEG kB",
+                "remote": "remote"}
 
 
 def reward_header(scale: float, terms) -> str:
