@@ -116,7 +116,18 @@ class TensorBoardTracker:
         self._writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        writers = list((self._writer.all_writers or {}).values())
+        try:
+            self._writer.close()
+        finally:
+            # A writer whose thread failed (a full disk) raises in the flush that SummaryWriter's
+            # close starts with, and its thread is never stopped: stop each one here, so that the
+            # thread ends, and reports, while the tracker closes rather than during what follows.
+            for file_writer in writers:
+                try:
+                    file_writer.close()
+                except Exception:  # noqa: BLE001 - the flush's error is the one raised
+                    pass
         _write_state(self.state_path, {"last_step": self.last_logged})
 
 

@@ -185,15 +185,32 @@ class _Recorder:
 
 # TensorBoard's writer thread re-raises its OSError after handing it over (it lands in rank 0's log)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_tracker_failing_on_a_full_disk_is_warned_about_once_and_dropped(tmp_path):
+def test_a_tracker_failing_on_a_full_disk_is_warned_about_once_and_dropped(tmp_path, monkeypatch):
     """A real ENOSPC: TensorBoard's log dir on a small tmpfs that fills up. The group warns once,
-    drops that tracker and goes on feeding the others."""
+    drops that tracker and goes on feeding the others; the failed writer's thread has ended by
+    then (not left to raise during whatever runs next)."""
+    import time
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
     from hardening_tools import small_tmpfs
 
+    run = _AsyncWriterThread.run
+
+    def dying_slowly(thread):  # the window between handing the error over and the thread's end, widened
+        try:
+            run(thread)
+        except Exception:
+            time.sleep(1.0)
+            raise
+
+    monkeypatch.setattr(_AsyncWriterThread, "run", dying_slowly)
     mnt = str(tmp_path / "mnt")
     with small_tmpfs(mnt, "256k"):
         warnings, other = [], _Recorder()
-        group = TrackerGroup([open_tracker("tensorboard", mnt, -1, {}), other], warnings.append)
+        tensorboard = open_tracker("tensorboard", mnt, -1, {})
+        worker = tensorboard._writer.file_writer.event_writer._async_writer._worker
+        group = TrackerGroup([tensorboard, other], warnings.append)
         group.log_row(1, ROWS[1])
         with open(os.path.join(mnt, "filler"), "wb", buffering=0) as f:  # the disk fills up
             try:
@@ -211,6 +228,7 @@ def test_a_tracker_failing_on_a_full_disk_is_warned_about_once_and_dropped(tmp_p
     assert "No space left on device" in warnings[0] and "run.h5 keeps every row" in warnings[0]
     assert [t.name for t in group.trackers] == []
     assert other.rows == [1, 2, 3, 4, 5]
+    assert not worker.is_alive()
 
 
 def test_a_tracker_that_cannot_start_is_warned_about_and_left_out(tmp_path, offline):
