@@ -71,17 +71,22 @@ def test_same_command_twice_is_bit_identical(tiny_run, tiny_run_again):
 
 
 @pytest.mark.slow
-def test_torchrun_gives_the_same_metrics(tiny_run, tmp_path):
+def test_torchrun_gives_the_same_metrics_and_a_finished_run_again_loads_nothing(tiny_run, tmp_path):
     import subprocess
     import sys
 
     run_dir = str(tmp_path / "torchrun")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                        "-m", "hpcnft", "run", "tiny", "--steps", "3", "--run-dir", run_dir],
-                       capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+               "-m", "hpcnft", "run", "tiny", "--steps", "3", "--run-dir", run_dir]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert read_run(run_dir).topology["launcher"] == "torchrun"
     assert_same_metrics(tiny_run.run_dir, run_dir)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines().count(f"hpcnft: {run_dir} already finished at step 3; nothing to run "
+                                            "(--steps N with N > 3 continues it)") == 1, again.stdout
+    assert "loading the models" not in again.stdout
 
 
 # The CPU-capable speed levers of world 1 (hpcnft/perf/levers.py). At step 1 LoRA's B is zero, so the
