@@ -126,12 +126,13 @@ def spawn_ranks(cfg, args, rank0_fd) -> int:
     if early:
         print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
-    from hpcnft.run.failures import clear_failure_claim, failed_rank
+    from hpcnft.run.failures import FailureClaim
 
-    clear_failure_claim(cfg.run_dir)
+    claim = FailureClaim(cfg.run_dir)
+    claim.clear()
     resume = resume_command(args.recipe, args.overrides, cfg.run_dir, cfg.steps)
     code = groups.spawn_local(argv, world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd,
-                              entry=entry, resume_hint=f"`{resume}`", failed_rank=lambda: failed_rank(cfg.run_dir))
+                              entry=entry, resume_hint=f"`{resume}`", failure_claim=claim)
     sys.stdout.flush()
     return code
 

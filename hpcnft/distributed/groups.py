@@ -278,7 +278,7 @@ class ForkedRank:
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = (sys.executable, "-m", "hpcnft"),
                 rank0_fd: tuple[str, int] | None = None, entry=None, resume_hint: str = "",
-                failed_rank=lambda: None) -> int:
+                failure_claim=None) -> int:
     """Run `python -m hpcnft <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
@@ -288,8 +288,9 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
 
     A first SIGINT (Ctrl-C) reaches every rank, which checkpoints at the end of its step and
     exits 130; a second one kills them at once, with `resume_hint` (how to resume) said.
-    `failed_rank()`: the rank that failed first by its own account (the ranks' failure claim),
-    or None: the rank this spawner names, rather than the first one it saw exit."""
+    `failure_claim` (run.failures.FailureClaim of the run dir): the ranks' claim of the job's
+    first failure; the spawner claims it for a rank killed by a signal (which cannot), and names
+    its holder as the rank that failed rather than the first one it saw exit."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -355,7 +356,9 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                 elif code in (*STOP_CODES, preempted_code):
                     pass  # checkpointed and stopped, as a stop signal asked
                 else:
-                    cause = failed_rank()
+                    if code < 0 and failure_claim is not None:
+                        failure_claim.claim(rank)  # a rank killed by a signal says nothing itself
+                    cause = failure_claim.holder() if failure_claim is not None else None
                     rank = rank if cause is None or not 0 <= cause < world_size else cause
                     ended = codes[rank]
                     say(f"rank {rank} ({role_of(rank)}) failed" + (f": {describe_exit(ended)}" if ended else "") +

@@ -117,6 +117,18 @@ def route_to(master_addr: str, interfaces: Mapping[str, Sequence[str]] | None = 
 _PEER_RE = re.compile(r"(?:peer|Read error|Write error) \[([^\]]+)\]")
 
 
+# What a collective raises when a peer went away (died, or closed its end after failing): gloo's
+# wordings above, and NCCL's and the c10d store's
+_LOST_PEER_RE = re.compile(r"Connection closed by peer|Connection reset by peer|Read error \[|Write error \[|"
+                           r"Broken pipe|remote process exited|communicator was aborted|Socket Timeout|"
+                           r"failed to recv, got 0 bytes")
+
+
+def names_a_lost_peer(text: str) -> bool:
+    """Whether an error only says that a peer of the job went away."""
+    return bool(_LOST_PEER_RE.search(text))
+
+
 def peers_named(text: str, hosts: Sequence[str], resolve_host=None) -> str:
     """Who the peers an error names by address are: ``node3 (rank 2)`` for each address in
     ``peer [ADDR]`` (gloo's wording) that one of the job's HOSTS (rank -> hostname) resolves to;

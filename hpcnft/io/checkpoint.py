@@ -281,9 +281,8 @@ def save(run_dir: str, step: int, policy, optimizer, train_group, is_writer: boo
             f.write(rng_blob)
         dcp.save(_state(policy, optimizer), checkpoint_id=tmp, process_group=train_group)
     except (OSError, dcp.CheckpointException) as e:  # a full disk, a read-only file system
-        reason = _reason(e)
+        reason = _space_note(run_dir) + _reason(e)  # every rank's line says it: any may be the one printed
         if is_writer:
-            reason = _space_note(run_dir) + reason
             discard_partial(run_dir, step)
         raise CheckpointError(f"{tmp}: cannot write the checkpoint ({reason})") from None
     return tmp

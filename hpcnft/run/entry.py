@@ -23,7 +23,7 @@ from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
-from hpcnft.run.failures import clear_failure_claim
+from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import fail_line, log, log_exception, print_err, report_failure, restore_stderr, setup_logging
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
@@ -143,7 +143,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         groups.teardown()
         return code
     if topo.rank == 0:
-        clear_failure_claim(cfg.run_dir)  # before agree_plan's collective: no rank has failed yet
+        FailureClaim(cfg.run_dir).clear()  # before agree_plan's collective: no rank has failed yet
     try:
         resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
         return _run_role(cfg, topo, group, mesh, flag, notes, info.endpoint, resume)

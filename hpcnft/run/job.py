@@ -24,8 +24,7 @@ from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers
 from hpcnft.rewards.registry import training_terms
-from hpcnft.run.failures import claim_failure
-from hpcnft.run.output import fail_line, log, print_err, progress_line, reward_header, save_grid
+from hpcnft.run.output import claim_first_failure, fail_line, log, print_err, progress_line, reward_header, save_grid
 from hpcnft.run.resume import ResumePlan
 from hpcnft.run.rundir import finished_line
 
@@ -302,7 +301,7 @@ def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePl
         return job.run()
     except BaseException as e:
         if isinstance(e, Exception):  # before the error is relayed: the first failure is this rank's
-            claim_failure(cfg.run_dir, topo.rank)
+            claim_first_failure(cfg.run_dir, topo.rank, e)
         if job.writer:
             try:
                 job.writer.event(job.step, "error", fail_line(topo, e))

@@ -14,7 +14,7 @@ import torch
 from hpcnft.algo.sampler import prompt_grid
 from hpcnft.common.errors import first_line
 from hpcnft.distributed import netif
-from hpcnft.run.failures import claim_failure, failed_rank
+from hpcnft.run.failures import CONSEQUENCE_WAIT_S, FailureClaim
 
 log = logging.getLogger("hpcnft")
 
@@ -105,11 +105,33 @@ def log_exception(topo, e: BaseException) -> None:
     log.error("%s\n%s", fail_line(topo, e), traceback.format_exc())
 
 
+# A reward-service error that relays another rank's failure, or says the connection to it is gone
+RELAYED = ("reward rank ", "train rank ", "lost the connection", "no request from train ranks")
+
+
+def is_consequence(e: BaseException) -> bool:
+    """Whether a rank's error only follows from another rank's failure: a peer gone, or a
+    failure relayed by the reward service."""
+    from hpcnft.distributed.reward_service import RewardServiceError
+
+    text = first_line(e)
+    return netif.names_a_lost_peer(text) or (isinstance(e, RewardServiceError) and text.startswith(RELAYED))
+
+
+def claim_first_failure(run_dir: str, rank: int, e: BaseException) -> bool:
+    """Claim the job's first failure for this rank's error `e` (failures.py): an error that only
+    follows from another rank's waits a moment for the cause to claim first."""
+    claim = FailureClaim(run_dir)
+    if is_consequence(e):
+        claim.wait_for_holder(CONSEQUENCE_WAIT_S)
+    return claim.claim(rank)
+
+
 def report_failure(topo, run_dir: str, e: BaseException, where: str = "") -> None:
     """A rank's failure: its traceback to its log; its line to the terminal if it is the job's
     first failure, else to its log only. `where`: a pointer added to the line (its traceback)."""
     log_exception(topo, e)
-    if claim_failure(run_dir, topo.rank):
+    if claim_first_failure(run_dir, topo.rank, e):
         print_err(fail_line(topo, e) + where)
     else:
-        log.error("after rank %s's failure: %s", failed_rank(run_dir), fail_line(topo, e))
+        log.error("after rank %s's failure: %s", FailureClaim(run_dir).holder(), fail_line(topo, e))

@@ -10,7 +10,7 @@ from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.distributed.reward_service import serve
 from hpcnft.io import checkpoint
-from hpcnft.run.failures import claim_failure
+from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import log
 from hpcnft.run.resume import ResumePlan
 
@@ -34,6 +34,6 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
     stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag,
-                  reply_columns(cfg), on_failure=lambda: claim_failure(cfg.run_dir, topo.rank))
+                  reply_columns(cfg), on_failure=lambda: FailureClaim(cfg.run_dir).claim(topo.rank))
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK

@@ -214,11 +214,16 @@ def test_a_second_ctrl_c_stops_the_ranks_at_once_and_says_how_to_resume(capfd, t
 
 
 @pytest.mark.parametrize("how", HOW)
-def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd, how):
+def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd, how, tmp_path):
     """Rank 2 fails first (it claims the failure), rank 1 notices and exits before it does."""
     script = ("import os, sys, time; r = int(os.environ['RANK'])\n"
               "if r == 1: sys.exit(1)\n"
               "time.sleep(1.5); sys.exit(1 if r == 2 else 0)")
-    assert spawn(script, how, failed_rank=lambda: 2) == 1
+    from hpcnft.run.failures import FailureClaim
+
+    os.makedirs(tmp_path / "logs")
+    claim = FailureClaim(str(tmp_path))
+    claim.claim(2)
+    assert spawn(script, how, failure_claim=claim) == 1
     err = capfd.readouterr().err
     assert err == "hpcnft: rank 2 (reward) failed; stopping the other ranks\n"
