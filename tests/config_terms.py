@@ -1,5 +1,5 @@
 """Reward terms for config tests: a remote judge whose operational settings (url, timeout_s,
-retries) a resume may change, and configs made of term tables as `--set reward.terms=[...]`
+retries, token_env) a resume may change, and configs made of term tables as `--set reward.terms=[...]`
 gives them."""
 from __future__ import annotations
 

@@ -5,8 +5,10 @@ A TERM is the name of a term in the recipe's reward.terms, or a bare kind (picks
 jpeg_compressibility, ...) with its default settings, the tiny model where the kind has one.
 The terms score as a reward rank of the recipe would: same determinism settings, same CPU
 thread count. `--max-requests`, `--max-connections`, `--max-body-mib` and `--request-deadline-s`
-bound what clients may cost the server (hpcnft/rewards/http_server.py). SIGINT or SIGTERM stops the server; the
-exit code is then 0."""
+bound what clients may cost the server (hpcnft/rewards/http_server.py). With a shared secret
+(`--token-file`, or $HPCNFT_REWARD_TOKEN) clients must send it; listening beyond loopback
+without one is refused, before any model loads, unless `--insecure-no-token`. SIGINT or SIGTERM
+stops the server; the exit code is then 0."""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +16,12 @@ import ctypes
 import math
 import os
 import signal
+import sys
 import threading
 
 from hpcnft.common.errors import UsageError
-from hpcnft.common.validation import TERM_KINDS
+from hpcnft.common.validation import REWARD_TOKEN_ENV, TERM_KINDS
+from hpcnft.rewards.shared_secret import TokenError, listening_refusal, server_token
 
 SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
 # ScoringServer's defaults, repeated so that --help does not import torch
@@ -72,6 +76,13 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--request-deadline-s", type=seconds, default=REQUEST_DEADLINE_S, metavar="S",
                    help=f"seconds for a request's line, headers and body to arrive (default {REQUEST_DEADLINE_S:g}); "
                         "past it the connection is closed")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="a file (chmod 600) whose first line is the shared secret clients must send "
+                        f"(Authorization: Bearer); without it, ${REWARD_TOKEN_ENV} if set. A --host beyond "
+                        "loopback needs one")
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="listen beyond loopback without a shared secret: anyone who reaches the port may use "
+                        "the server (a trusted network only)")
 
 
 def server_limits(args) -> dict:
@@ -81,6 +92,19 @@ def server_limits(args) -> dict:
                          "each admitted request holds a connection")
     return {"max_requests": args.max_requests, "max_connections": args.max_connections,
             "body_budget_bytes": args.max_body_mib << 20, "request_deadline_s": args.request_deadline_s}
+
+
+def required_token(args, environ=os.environ) -> str | None:
+    """The shared secret clients must send (None: none); UsageError where it cannot be read, or
+    where --host reaches beyond this machine without one and without --insecure-no-token."""
+    try:
+        token = server_token(args.token_file, environ)
+    except TokenError as e:
+        raise UsageError(str(e)) from None
+    refusal = listening_refusal(args.host, token, args.insecure_no_token)
+    if refusal:
+        raise UsageError(refusal)
+    return token
 
 
 def served_terms(names: list[str], cfg) -> list:
@@ -152,6 +176,7 @@ def main(name: str, args) -> int:
     from hpcnft.rewards.http_server import ScoringServer
 
     limits = server_limits(args)
+    token = required_token(args)  # before any model loads
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
@@ -164,7 +189,7 @@ def main(name: str, args) -> int:
     loaded = load_terms(terms, cfg, torch.device(args.device))
     return_large_buffers_to_the_system()
     try:
-        server = ScoringServer((args.host, args.port), loaded, **limits)
+        server = ScoringServer((args.host, args.port), loaded, token=token, **limits)
     except OSError as e:
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
 
@@ -176,6 +201,9 @@ def main(name: str, args) -> int:
         signal.signal(signum, stop)
     with server:
         print(f"serving {', '.join(loaded)} on http://{args.host}:{server.port}", flush=True)
+        if token is None and listening_refusal(args.host, None, False):
+            print(f"hpcnft reward-server: warning: no shared secret (--insecure-no-token): anyone who reaches "
+                  f"{args.host}:{server.port} may use this server", file=sys.stderr, flush=True)
         if args.port_file:
             try:
                 write_port_file(args.port_file, server.port)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from hpcnft.common.errors import ConfigError
-from hpcnft.common.validation import validate
+from hpcnft.common.validation import REWARD_TOKEN_ENV, validate
 
 
 @dataclass
@@ -60,7 +60,7 @@ class RolloutConfig:
 class RewardTermConfig:
     """One reward term (`[[reward.terms]]` in a recipe). Its settings by kind: model_dir (a model
     folder; empty = the term's tiny model), processor_dir, weights (a checkpoint file the kind
-    needs beside its folder), url, timeout_s and retries (remote)."""
+    needs beside its folder), url, timeout_s, retries and token_env (remote)."""
     kind: str = "pickscore"
     name: str = ""  # the metric name (rollout/reward/<name>/*, eval/<name>_*); defaults to kind
     weight: float = 1.0
@@ -71,6 +71,7 @@ class RewardTermConfig:
     url: str = ""
     timeout_s: float = 60.0
     retries: int = 2
+    token_env: str = REWARD_TOKEN_ENV  # the environment variable holding the server's shared secret; "": none
 
 
 @dataclass

@@ -44,6 +44,10 @@ TRACKERS = ("tensorboard", "wandb")  # logging.trackers: hpcnft/io/trackers.py h
 TERM_KINDS = ("pickscore", "hpsv2", "clipscore", "aesthetic", "jpeg_compressibility", "jpeg_incompressibility",
               "remote")
 TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# A remote term's token_env: the variable holding its shared secret. Only HPCNFT_ names, so that a
+# recipe from elsewhere cannot send another secret of the environment (a cloud key) to its url.
+REWARD_TOKEN_ENV = "HPCNFT_REWARD_TOKEN"
+TOKEN_ENV = re.compile(r"HPCNFT_[A-Z0-9_]{1,100}")
 MAX_CHUNK_BYTES = 1 << 30  # one chunk of uint8 images: 1 GiB (the recipe's 8 images of 512² are 6 MiB)
 UNIT_INTERVAL = {"nft.timestep_fraction", "eval.ema_decay", "ema.max", "ema.flat_decay", "optim.beta1", "optim.beta2"}
 
@@ -165,6 +169,9 @@ def _validate_terms(terms) -> None:
             raise ConfigError(f"{key}.timeout_s: must be > 0, got {t.timeout_s!r}")
         if t.retries < 0:
             raise ConfigError(f"{key}.retries: must be >= 0, got {t.retries!r}")
+        if t.token_env and not TOKEN_ENV.fullmatch(t.token_env):
+            raise ConfigError(f"{key}.token_env: {t.token_env!r} must name an environment variable HPCNFT_... "
+                              "(upper-case letters, digits and _), or be \"\" to send no token")
         if t.kind == "remote" and not re.match(r"https?://", t.url):
             raise ConfigError(f"{key}.url: a remote term needs an http:// or https:// URL, got {t.url!r}")
     if terms and all(t.eval_only for t in terms):

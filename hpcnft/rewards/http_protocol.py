@@ -3,6 +3,7 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
 
   POST <url>                   the term's scoring endpoint, e.g. http://host:8000/v1/score/ocr
        Content-Type: application/x-npz
+       Authorization: Bearer <token>   (where the server requires a shared secret)
        body: an uncompressed .npz (numpy.savez) holding exactly two arrays:
          images   uint8 [n, H, W, 3]          (1 <= n <= 4096, 1 <= H, W <= 8192,
                                                 n*H*W*3 <= 1 GiB)
@@ -12,10 +13,12 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
        Each score is the float32 score written as the shortest decimal of its float64 value
        (Python's repr), so float32(float64(text)) gives back the same bits.
   4xx / 5xx  application/json {"error": "one line"}
-       400 bad request (not an npz of the two arrays above, wrong dtype or shape), 404 unknown
+       400 bad request (not an npz of the two arrays above, wrong dtype or shape), 401 the
+       token missing or wrong (with WWW-Authenticate: Bearer; 403 may say the same), 404 unknown
        term, 413 body too large, 500 the term failed, 503 / 429 busy, with a Retry-After of the
        seconds to wait (the client retries these).
   GET  /v1/health  ->  200 {"terms": [the names served], ...: a server may add its load}
+       (with the same Authorization where the server requires a shared secret)
 
 Nothing is ever unpickled: the server reads each array as np.load(allow_pickle=False) does,
 after checking its npy header (dtype, shape, size) against the bounds above, so a request can

@@ -2,6 +2,10 @@
 served term, GET /v1/health. One request is scored at a time (a lock around the terms, which
 hold models and may not be thread-safe).
 
+With a shared secret (`token`), every request must carry it (`Authorization: Bearer <token>`,
+shared_secret.py), health checks included; one without it, or with another, is answered 401
+(`WWW-Authenticate: Bearer`) before anything else is looked at, its body dropped unread.
+
 What clients may cost the server is bounded:
 - a POST's path, term, Content-Type and Content-Length are checked before any of its body is
   read; a refused one is answered at once (`Connection: close`) and its body then read and
@@ -37,6 +41,7 @@ import torch
 from hpcnft.common.errors import first_line
 from hpcnft.rewards.http_protocol import (CONTENT_TYPE, HEALTH_PATH, MAX_BODY_BYTES, SCORE_PREFIX, ProtocolError,
                                           decode_request, encode_scores, error_body)
+from hpcnft.rewards.shared_secret import MISSING, authorization
 
 MAX_REQUESTS = 8
 MAX_CONNECTIONS = 64
@@ -94,11 +99,20 @@ class DeadlineReader(io.RawIOBase):
 
 
 class Refused(Exception):
-    """A request refused on its head: the status and one line of why."""
+    """A request refused on its head: the status, one line of why and the answer's extra headers."""
 
-    def __init__(self, status: int, text: str):
+    def __init__(self, status: int, text: str, headers: dict | None = None):
         super().__init__(text)
-        self.status, self.text = status, text
+        self.status, self.text, self.headers = status, text, headers
+
+
+def unauthorized(why: str) -> Refused:
+    """The 401 of a request without the token (MISSING) or with another (REFUSED): never the token."""
+    if why == MISSING:
+        return Refused(HTTPStatus.UNAUTHORIZED, "a shared secret is required: send Authorization: Bearer <token>",
+                       {"WWW-Authenticate": "Bearer"})
+    return Refused(HTTPStatus.UNAUTHORIZED, "the token was refused",
+                   {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
 class Admission:
@@ -148,16 +162,18 @@ def check_limits(max_requests: int, max_connections: int, body_budget_bytes: int
 
 class ScoringServer(ThreadingHTTPServer):
     """Serves `terms` (name -> term) on `address` ((host, port); port 0 picks a free one), within
-    the limits above."""
+    the limits above; to clients sending `token` alone where one is given."""
 
     daemon_threads = True
     request_queue_size = 128  # socketserver's 5 resets the clients beyond a handful arriving together
 
     def __init__(self, address: tuple[str, int], terms: dict, log=stderr_line, *, max_requests: int = MAX_REQUESTS,
                  max_connections: int = MAX_CONNECTIONS, body_budget_bytes: int = BODY_BUDGET_BYTES,
-                 request_deadline_s: float = REQUEST_DEADLINE_S, busy_wait_s: float = BUSY_WAIT_S):
+                 request_deadline_s: float = REQUEST_DEADLINE_S, busy_wait_s: float = BUSY_WAIT_S,
+                 token: str | None = None):
         check_limits(max_requests, max_connections, body_budget_bytes, request_deadline_s, busy_wait_s)
         self.terms, self.log = dict(terms), log
+        self.token = token.encode("ascii") if token else None
         self.max_connections, self.connections = max_connections, 0
         self.connections_lock = threading.Lock()
         self.request_deadline_s, self.busy_wait_s = request_deadline_s, busy_wait_s
@@ -263,7 +279,18 @@ class ScoreHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         self._error(code, message or HTTPStatus(code).phrase)
 
+    def _check_token(self) -> None:
+        """Refused (401) unless the request carries the server's token, where it has one."""
+        if self.server.token is not None:
+            why = authorization(self.headers.get_all("Authorization") or [], self.server.token)
+            if why is not None:
+                raise unauthorized(why)
+
     def do_GET(self) -> None:
+        try:
+            self._check_token()
+        except Refused as e:
+            return self._refuse(e.status, e.text, e.headers)
         if urlsplit(self.path).path != HEALTH_PATH:
             return self._error(HTTPStatus.NOT_FOUND, f"no such path (GET {HEALTH_PATH})")
         self._answer(HTTPStatus.OK, json.dumps(self.server.health()).encode())
@@ -272,7 +299,7 @@ class ScoreHandler(BaseHTTPRequestHandler):
         try:
             name, length = self._check_head()
         except Refused as e:
-            return self._refuse(e.status, e.text)
+            return self._refuse(e.status, e.text, e.headers)
         if not self.server.admission.enter(length, self.server.busy_wait_s):
             admission = self.server.admission
             return self._refuse(HTTPStatus.SERVICE_UNAVAILABLE,
@@ -296,7 +323,9 @@ class ScoreHandler(BaseHTTPRequestHandler):
         return int(text)
 
     def _check_head(self) -> tuple[str, int]:
-        """The term and body length of this POST, from its head alone; Refused if it is refused."""
+        """The term and body length of this POST, from its head alone; Refused if it is refused.
+        The token first: a client without it learns nothing, not even the terms served."""
+        self._check_token()
         if self.headers.get("Transfer-Encoding"):
             raise Refused(HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked")
         name = self._term_name()

@@ -8,7 +8,11 @@ are refused, as following one would turn the POST into a GET. A request that may
 second try (connection refused or reset, a timeout, 5xx, 429) is retried `retries` times with
 exponential backoff, waiting longer where a 503 or 429 asks so (Retry-After in seconds, at
 most a minute); any other answer fails at once. Every failure is one RemoteRewardError
-line naming the term and its URL."""
+line naming the term and its URL.
+
+Each request carries the shared secret from the environment variable token_env names, if it
+is set (`Authorization: Bearer`, shared_secret.py); a 401 or 403 fails at once, naming that
+variable, never its value. A refused redirect never takes the token elsewhere."""
 from __future__ import annotations
 
 import http.client
@@ -25,6 +29,7 @@ from hpcnft.common.errors import first_line
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.http_protocol import (CONTENT_TYPE, MAX_BODY_BYTES, ProtocolError, decode_scores, encode_request,
                                           error_text)
+from hpcnft.rewards.shared_secret import TokenError, bearer, client_token
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
@@ -182,10 +187,24 @@ def _network_reason(e: BaseException, timeout_s: float) -> str:
 
 
 class RemoteTerm:
-    """POST each chunk to `url`; float32 [n] scores back. `sleep` is the backoff's clock."""
+    """POST each chunk to `url`; float32 [n] scores back. `sleep` is the backoff's clock; the
+    token is read from the variable `token_env` names once, here ("": none sent)."""
 
-    def __init__(self, name: str, url: str, timeout_s: float, retries: int, sleep=time.sleep):
+    def __init__(self, name: str, url: str, timeout_s: float, retries: int, sleep=time.sleep, token_env: str = ""):
         self.name, self.url, self.timeout_s, self.retries, self.sleep = name, url, timeout_s, retries, sleep
+        self.token_env = token_env
+        try:
+            self._token = client_token(token_env)
+        except TokenError as e:
+            raise self._fail(str(e)) from None
+
+    def _token_reason(self) -> str:
+        """Why a server answered 401 or 403, as far as this side knows: where the token comes from."""
+        if self._token is not None:
+            return f"the token from ${self.token_env} (token_env) was refused"
+        if not self.token_env:
+            return "no token sent (token_env is empty)"
+        return f"no token sent: ${self.token_env} (token_env) is unset or empty"
 
     def _fail(self, reason: str) -> RemoteRewardError:
         return RemoteRewardError(f"reward term {self.name!r} (remote {self.url}): {reason}")
@@ -205,8 +224,10 @@ class RemoteTerm:
         return b"".join(parts)
 
     def _attempt(self, body: bytes, n: int) -> np.ndarray:
-        request = urllib.request.Request(self.url, data=body, method="POST",
-                                         headers={"Content-Type": CONTENT_TYPE, "Accept": "application/json"})
+        headers = {"Content-Type": CONTENT_TYPE, "Accept": "application/json"}
+        if self._token is not None:
+            headers["Authorization"] = bearer(self._token)
+        request = urllib.request.Request(self.url, data=body, method="POST", headers=headers)
         deadline = Deadline(self.timeout_s)
         try:
             with _opener(deadline).open(request, timeout=self.timeout_s) as response:
@@ -222,9 +243,13 @@ class RemoteTerm:
                 detail = ""
             finally:
                 e.close()
+            if self._token is not None:  # a server may echo what it was sent
+                detail = detail.replace(self._token, "<token>")
             reason = f"HTTP {e.code}" + (f" ({detail})" if detail else "")
             if e.code >= 500 or e.code == 429:
                 raise Retriable(reason, retry_after_s(e.headers.get("Retry-After"))) from None
+            if e.code in (401, 403):  # another attempt sends the same token
+                raise self._fail(f"{reason}: {self._token_reason()}") from None
             raise self._fail(reason) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise Retriable(_network_reason(e, self.timeout_s)) from None
@@ -256,8 +281,8 @@ class RemoteTerm:
 
 
 def load(term, cfg, device: torch.device) -> RemoteTerm:
-    """A term of kind `remote`: its url, timeout_s and retries (the device is the server's business)."""
+    """A term of kind `remote`: its url, timeout_s, retries and token_env (the device is the server's business)."""
     if not term.url.startswith(("http://", "https://")):
         raise RemoteRewardError(f"reward term {term.name or term.kind!r}: url must be http:// or https://, "
                                 f"got {term.url!r}")
-    return RemoteTerm(term.name or term.kind, term.url, term.timeout_s, term.retries)
+    return RemoteTerm(term.name or term.kind, term.url, term.timeout_s, term.retries, token_env=term.token_env)

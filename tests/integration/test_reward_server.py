@@ -1,5 +1,7 @@
-"""`hpcnft reward-server` as a process: a `remote` term scoring through it gets the local terms'
-scores bit for bit; SIGTERM and SIGINT stop it with exit code 0."""
+"""`hpcnft reward-server` as a process: a `remote` term scoring through it with the server's
+shared secret gets the local terms' scores bit for bit, one without it a 401 at once; serving
+anyone beyond loopback (--insecure-no-token) is said on stderr; SIGTERM and SIGINT stop it with
+exit code 0."""
 from __future__ import annotations
 
 import os
@@ -14,8 +16,9 @@ import torch
 from jobs import start
 from hpcnft.common.config import RewardTermConfig, load_config
 from hpcnft.rewards.registry import load_term
-from hpcnft.rewards.remote import RemoteTerm
+from hpcnft.rewards.remote import RemoteRewardError, RemoteTerm
 
+TOKEN = "integration-token-0123456789"
 PROMPTS = ["a photo of a cat", "a watercolor of a lighthouse at dusk", "two red apples", "an empty room"]
 
 
@@ -53,10 +56,12 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def test_remote_terms_through_the_server_score_as_the_local_terms(tmp_path, pickscore_dir, one_thread):
+def test_remote_terms_through_the_server_score_as_the_local_terms(tmp_path, pickscore_dir, one_thread, monkeypatch):
     port_file = str(tmp_path / "port")
     terms = f'reward.terms=[{{kind="pickscore", name="ps", model_dir="{pickscore_dir}"}}]'
-    proc = start("reward-server", "jpeg_compressibility", "ps", "--set", terms, "--port", "0", "--port-file", port_file)
+    proc = start("reward-server", "jpeg_compressibility", "ps", "--set", terms, "--port", "0", "--port-file", port_file,
+                 env={"HPCNFT_REWARD_TOKEN": TOKEN})
+    monkeypatch.setenv("HPCNFT_JUDGE_TOKEN", TOKEN)
     try:
         port = wait_for_port(proc, port_file)
         cfg, cpu = load_config("tiny", [terms]), torch.device("cpu")
@@ -64,18 +69,25 @@ def test_remote_terms_through_the_server_score_as_the_local_terms(tmp_path, pick
         local_terms = {"jpeg_compressibility": RewardTermConfig(kind="jpeg_compressibility"), "ps": cfg.reward.terms[0]}
         for name, term in local_terms.items():
             local = load_term(term, cfg, cpu)(PROMPTS, images)
-            served = RemoteTerm(name, f"http://127.0.0.1:{port}/v1/score/{name}", 60.0, 0)(PROMPTS, images)
+            url = f"http://127.0.0.1:{port}/v1/score/{name}"
+            served = RemoteTerm(name, url, 60.0, 0, token_env="HPCNFT_JUDGE_TOKEN")(PROMPTS, images)
             assert torch.equal(served.view(torch.int32), local.view(torch.int32)), name
+        with pytest.raises(RemoteRewardError, match=r"HTTP 401 .*: no token sent \(token_env is empty\)$"):
+            RemoteTerm("ps", url, 60.0, 2)(PROMPTS, images)
     finally:
         code, out, err = stop(proc, signal.SIGTERM)
     assert code == 0, err
     assert re.search(rf"^serving jpeg_compressibility, ps on http://127\.0\.0\.1:{port}$", out, re.M)
-    assert err == ""  # no request logged
+    assert err == "reward server: POST /v1/score/ps: 401 a shared secret is required: send Authorization: Bearer " \
+                  "<token>\n"  # the refusal alone: no request logged
 
 
-def test_sigint_stops_the_server_cleanly(tmp_path):
+def test_sigint_stops_the_server_cleanly_and_serving_anyone_is_said(tmp_path):
     port_file = str(tmp_path / "port")
-    proc = start("reward-server", "jpeg_incompressibility", "--port", "0", "--port-file", port_file)
-    wait_for_port(proc, port_file)
+    proc = start("reward-server", "jpeg_incompressibility", "--host", "0.0.0.0", "--insecure-no-token", "--port", "0",
+                 "--port-file", port_file, env={"HPCNFT_REWARD_TOKEN": ""})
+    port = wait_for_port(proc, port_file)
     code, out, err = stop(proc, signal.SIGINT)
     assert code == 0 and "Traceback" not in err and "interrupted" not in err
+    assert err.startswith("hpcnft reward-server: warning: no shared secret (--insecure-no-token): anyone who "
+                          f"reaches 0.0.0.0:{port} may use this server\n")

@@ -1,12 +1,16 @@
-"""`hpcnft reward-server`'s input: which terms a TERM names, the server's limits, and bad input
+"""`hpcnft reward-server`'s input: which terms a TERM names, the server's limits, its shared
+secret (listening beyond loopback refused without one, before any model loads), and bad input
 as one line, exit 2."""
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 
 from hpcnft.cli import reward_server
 from hpcnft.cli.main import OneLineParser, main
-from hpcnft.cli.reward_server import served_terms, server_limits
+from hpcnft.cli.reward_server import required_token, served_terms, server_limits
 from hpcnft.common.config import load_config
 from hpcnft.rewards import http_server
 
@@ -26,7 +30,8 @@ def test_help_lists_the_kinds(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
     for word in ("TERM", "--recipe", "--set", "--host", "--port", "--device", "--port-file", "jpeg_compressibility",
-                 "--max-requests", "--max-body-mib", "--request-deadline-s", "503"):
+                 "--max-requests", "--max-body-mib", "--request-deadline-s", "503", "--token-file",
+                 "--insecure-no-token", "HPCNFT_REWARD_TOKEN", "chmod 600"):
         assert word in out
 
 
@@ -99,3 +104,54 @@ def test_a_bad_limit_is_one_line_and_exit_2(capsys, option, value, needle):
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"hpcnft reward-server: error: argument {option}: {needle}")
+
+
+TOKEN = "s3cret-token-0123456789abcdef"
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Neither the config nor any term loads: a refusal of the host comes before them."""
+    def never(*args, **kwargs):
+        raise AssertionError("a model or the config was loaded")
+
+    monkeypatch.setattr(reward_server, "load_terms", never)
+    monkeypatch.setattr("hpcnft.common.config.load_config", never)
+    monkeypatch.delenv("HPCNFT_REWARD_TOKEN", raising=False)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "node12"])
+def test_listening_beyond_loopback_without_a_token_is_refused_before_anything_loads(capsys, no_model_loads, host):
+    t0 = time.monotonic()
+    code, out, err = run(["pickscore", "--host", host, "--port", "0"], capsys)
+    assert time.monotonic() - t0 < 5  # a hang guard: nothing was loaded
+    assert code == 2 and out == ""
+    assert err == (f"hpcnft reward-server: error: --host {host} reaches beyond this machine: give a shared secret "
+                   "(--token-file or HPCNFT_REWARD_TOKEN), or --insecure-no-token to serve anyone\n")
+
+
+def token_file(tmp_path, text: str = TOKEN, mode: int = 0o600) -> str:
+    path = tmp_path / "token"
+    path.write_text(text + "\n")
+    os.chmod(path, mode)
+    return str(path)
+
+
+def test_a_token_file_open_to_others_is_refused_before_anything_loads(capsys, no_model_loads, tmp_path):
+    path = token_file(tmp_path, mode=0o644)
+    code, out, err = run(["pickscore", "--token-file", path], capsys)
+    assert code == 2 and out == ""
+    assert err == f"hpcnft reward-server: error: --token-file {path}: open to group or others (mode 0644): " \
+                  f"chmod 600 {path}\n"
+    code, _, err = run(["pickscore", "--token-file", token_file(tmp_path, "")], capsys)
+    assert code == 2 and err.count("\n") == 1 and ": empty; write the token on its first line" in err
+
+
+def test_a_token_or_the_opt_out_lets_the_server_listen_beyond_loopback(tmp_path, monkeypatch):
+    monkeypatch.delenv("HPCNFT_REWARD_TOKEN", raising=False)
+    assert required_token(parsed(["pickscore", "--host", "0.0.0.0", "--insecure-no-token"])) is None
+    assert required_token(parsed(["pickscore", "--host", "0.0.0.0", "--token-file", token_file(tmp_path)])) == TOKEN
+    assert required_token(parsed(["pickscore"])) is None  # loopback: no token needed
+    monkeypatch.setenv("HPCNFT_REWARD_TOKEN", TOKEN)
+    assert required_token(parsed(["pickscore", "--host", "0.0.0.0"])) == TOKEN
+    assert required_token(parsed(["pickscore", "--host", "0.0.0.0", "--insecure-no-token"])) == TOKEN  # still asked

@@ -1,6 +1,6 @@
 """Which config changes a resume allows: reward.terms compared per term and per key, a remote
-term's url, timeout_s and retries allowed (warned about), what is scored refused, and the
-description of the changes one line of bounded length."""
+term's url, timeout_s, retries and token_env allowed (warned about), what is scored refused,
+and the description of the changes one line of bounded length."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +23,8 @@ def terms(*tables: str) -> dict:
 BEFORE = terms('kind="pickscore"', JUDGE)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7"])
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7",
+                                     'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_where_and_how_patiently_a_remote_term_asks_may_change(setting):
     after = terms('kind="pickscore"', judge(setting))
     key = f"reward.terms[1].{setting.split('=')[0]}"

@@ -1,6 +1,6 @@
-"""The config check of a resume: a remote term's url, timeout_s and retries may change with a
-warning on the resume plan (the warnings the job reports); what is scored is refused in one
-bounded line naming the key."""
+"""The config check of a resume: a remote term's url, timeout_s, retries and token_env may
+change with a warning on the resume plan (the warnings the job reports); what is scored is
+refused in one bounded line naming the key."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,8 @@ def checkpoint_dir(tmp_path, cfg) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7"])
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7",
+                                     'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_a_remote_terms_endpoint_and_patience_may_change_with_a_warning(tmp_path, setting):
     path = checkpoint_dir(tmp_path, with_terms('kind="pickscore"', JUDGE))
     key = setting.split("=")[0]
