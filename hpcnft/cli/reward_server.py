@@ -51,7 +51,7 @@ def seconds(text: str) -> float:
 
 
 def add_arguments(name: str, p) -> None:
-    from hpcnft.common.config import recipe_names
+    from hpcnft.common.recipe_files import recipe_names
 
     p.add_argument("terms", nargs="+", metavar="TERM",
                    help=f"a term name of the recipe's reward.terms, or a kind ({', '.join(SERVED_KINDS)})")

@@ -60,10 +60,12 @@ def start(args) -> int:
     from hpcnft.common.config import ConfigError, load_config
     from hpcnft.distributed.detect import detect
     from hpcnft.distributed.launch import LaunchError
+    from hpcnft.run.estimate import print_startup_notes
 
     try:
         cfg = load_config(args.recipe, args.overrides, steps=args.steps, run_dir=args.run_dir)
         info = detect(os.environ)
+        print_startup_notes(cfg, args.recipe, info)  # a recipe file's base; a step that will be long
     except (ConfigError, LaunchError) as e:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):

@@ -1,6 +1,7 @@
 """The config: a dataclass tree, TOML recipes and `--set key=value` overrides, validated.
 
-A recipe is a TOML file whose tables mirror the dataclasses below (`[optim] lr = 3e-4`).
+A recipe (read by hpcnft.common.recipe_files) is a TOML file whose tables mirror the dataclasses
+below (`[optim] lr = 3e-4`).
 `--set optim.lr=1e-3` overrides one value; the value is read as a TOML literal, so
 `--set layout.train_ranks=1`, `--set train.finetune="full"` and `--set train.finetune=full` work.
 Unknown keys, wrong types and out-of-range values are refused with a message naming the key.
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
 
 from hpcnft.common.errors import ConfigError
+# recipe_names stays importable from here (hpcnft run's help lists the built-in recipes)
+from hpcnft.common.recipe_files import read_recipe, recipe_names  # noqa: F401
 from hpcnft.common.validation import REWARD_TOKEN_ENV, validate
 
 
@@ -330,40 +331,6 @@ def _nest(key: str, value) -> dict:
     for p in parts[:-1]:
         cur = cur.setdefault(p, {})
     cur[parts[-1]] = value
-    return out
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.name[:-5] for p in resources.files("hpcnft.recipes").iterdir() if p.name.endswith(".toml"))
-
-
-def read_recipe(recipe: str) -> tuple[str, dict]:
-    """A recipe name (tiny, sd35m_pickscore) or a path to a TOML file -> (source, table)."""
-    if recipe.endswith(".toml") or os.sep in recipe:
-        if not os.path.isfile(recipe):
-            raise ConfigError(f"recipe file {recipe!r} does not exist")
-        source, text = recipe, open(recipe, encoding="utf-8").read()
-    else:
-        res = resources.files("hpcnft.recipes") / f"{recipe}.toml"
-        if not res.is_file():
-            raise ConfigError(f"unknown recipe {recipe!r} (known: {', '.join(recipe_names())})")
-        source, text = f"recipe:{recipe}", res.read_text(encoding="utf-8")
-    try:
-        table = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: invalid TOML ({e})") from None
-    base = table.pop("base", None)  # `base = "tiny"`: start from that recipe, then apply this one
-    if base is not None:
-        if not isinstance(base, str) or base == recipe:
-            raise ConfigError(f"{source}: base must name another recipe")
-        table = _merge(read_recipe(base)[1], table)
-    return source, table
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 

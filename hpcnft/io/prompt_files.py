@@ -49,9 +49,14 @@ def read_text(path: str, key: str, encoding: str = "utf-8") -> str:
         raise PromptFileError(f"{key}: prompt file {path!r} does not exist")
     try:
         with open(path, encoding=encoding, newline="") as f:  # newline="": line ends as written (csv wants them)
-            return f.read()
+            text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise PromptFileError(f"{key}: cannot read prompt file {path!r} ({e})") from None
+    nul = text.find("\x00")
+    if nul >= 0:  # valid UTF-8 but in no prompt: a binary file, or UTF-16 text without its byte-order mark
+        line = text.count("\n", 0, nul) + 1
+        raise PromptFileError(f"{key}: prompt file {path!r} has a NUL byte on line {line} (not a text file?)")
+    return text
 
 
 # -- prompt tables (CSV, TSV) -------------------------------------------------------------

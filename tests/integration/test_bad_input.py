@@ -73,6 +73,24 @@ def _case_drawbench_without_its_column(tmp):
     return ["--set", f"data.eval_prompts=drawbench:{p}#Colors"], ["data.eval_prompts", str(p), "'Prompts'"]
 
 
+def _case_prompt_file_with_a_nul_byte(tmp):
+    p = tmp / "prompts.txt"
+    p.write_bytes(b"a red car\na blue\x00 bird\n")  # valid UTF-8: only the NUL gives it away
+    return ["--set", f"data.train_prompts={p}"], ["data.train_prompts", str(p), "NUL", "line 2"]
+
+
+def _case_recipe_file_not_utf8(tmp):
+    p = tmp / "latin1.toml"
+    p.write_bytes(b"steps = 2\n# caf\xe9\n")
+    return [str(p)], [str(p), "not UTF-8", "0xe9", "offset 15"]
+
+
+def _case_recipe_file_a_directory(tmp):
+    d = tmp / "recipes"
+    d.mkdir()
+    return [f"{d}/"], [f"{d}/", "is a directory"]
+
+
 def _case_unknown_recipe(tmp):
     return ["no_such_recipe"], ["no_such_recipe", "tiny", "sd35m_pickscore"]
 
@@ -115,6 +133,9 @@ CASES = {
     "missing prompt file": _case_missing_prompt_file,
     "empty prompt file": _case_empty_prompt_file,
     "DrawBench copy without its column": _case_drawbench_without_its_column,
+    "prompt file with a NUL byte": _case_prompt_file_with_a_nul_byte,
+    "recipe file not UTF-8": _case_recipe_file_not_utf8,
+    "recipe file a directory": _case_recipe_file_a_directory,
     "unknown recipe": _case_unknown_recipe,
     "unknown config key": _case_unknown_config_key,
     "wrong type": _case_wrong_type,
@@ -214,6 +235,23 @@ def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
 def test_bad_command_line_argument_is_one_line(tmp_path):
     proc = _run(["--steps", "abc", "--run-dir", str(tmp_path / "run")], tmp_path)
     _assert_one_line_exit_2(proc, ["--steps", "abc"])
+
+
+def test_a_recipe_file_without_base_says_what_it_starts_from_and_warns_of_a_long_step_on_a_cpu(tmp_path):
+    """`steps = 2` alone: the sd35m_pickscore sizes on the tiny models. Said before the preflight,
+    whose refusal (a missing prompt file here) then ends the start at once."""
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text("steps = 2\n")
+    proc = _run([str(recipe), "--set", "layout.device=cpu", "--set", "data.train_prompts=/nonexistent",
+                 "--run-dir", str(tmp_path / "run")], tmp_path)
+    out = f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    (note,) = proc.stdout.splitlines()
+    assert note.startswith(f"hpcnft: recipe file {str(recipe)!r} names no base: ") and 'base = "tiny"' in note, out
+    warning, error = proc.stderr.splitlines()
+    assert warning.startswith("hpcnft: warning: this config runs real-size shapes (512x512, 64 samples a step) on "
+                              "the tiny models on a CPU: about ") and warning.endswith('base = "tiny"?'), out
+    assert "data.train_prompts" in error and not (tmp_path / "cache").exists()
 
 
 NO_WANDB = "import sys; sys.modules['wandb'] = None; from hpcnft.cli import main; sys.exit(main(sys.argv[1:]))"

@@ -48,6 +48,16 @@ def test_unreadable_prompt_file_names_key_and_path(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("spec", ["{p}", "csv:{p}#prompt"])
+def test_a_nul_byte_is_refused_naming_the_file_and_line(tmp_path, spec):
+    # NUL is valid UTF-8, so the bytes decode; no prompt holds one
+    p = tmp_path / "prompts.bin"
+    p.write_bytes(b"prompt\r\na red cat\r\na blue\x00 dog\r\n")
+    with pytest.raises(PromptFileError) as e:
+        read_prompt_file(spec.format(p=p), "data.train_prompts")
+    assert str(e.value) == f"data.train_prompts: prompt file {str(p)!r} has a NUL byte on line 3 (not a text file?)"
+
+
 def test_a_directory_is_not_a_prompt_file(tmp_path):
     with pytest.raises(PromptFileError) as e:
         read_prompt_file(str(tmp_path), "data.train_prompts")

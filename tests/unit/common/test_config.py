@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from hpcnft.common.config import ConfigError, load_config, parse_set, recipe_names
+from hpcnft.common.config import ConfigError, load_config, parse_set
 from hpcnft.common.config_changes import differing_keys
+from hpcnft.common.recipe_files import recipe_names
 
 ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
