@@ -119,7 +119,7 @@ def assert_same_metrics(run_a: str, run_b: str) -> None:
 
 
 # Train metrics of different train-rank counts differ only by the order in which gradients and
-# metric sums are reduced; over one step that is far below this tolerance (README, Determinism).
+# metric sums are reduced; over one step that is far below this tolerance (docs/determinism.md).
 TRAIN_RTOL = 1e-5
 
 

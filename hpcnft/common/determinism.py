@@ -1,4 +1,4 @@
-"""Deterministic mode and stable-hash seeds (architecture.md §5).
+"""Deterministic mode and stable-hash seeds (docs/architecture.md, "Contracts the code keeps").
 
 No draw uses process-global RNG: every random stream is a generator seeded with
 stable_hash(purpose, seed, ...), never Python's salted `hash`, and never keyed by rank, so which

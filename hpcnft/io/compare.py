@@ -1,4 +1,5 @@
-"""Comparison of metric series (architecture.md §7), shared by `hpcnft compare` and the tests.
+"""Comparison of metric series (docs/run_file.md#inspecting-and-comparing-runs), shared by
+`hpcnft compare` and the tests.
 
 A series is a float64 array of (step, value) rows. Two series match when their steps are the
 same and, at each step, the values are equal exactly, or within |a - b| <= atol + rtol * |b|

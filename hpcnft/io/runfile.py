@@ -1,6 +1,6 @@
 """The HDF5 run file (RUN_DIR/run.h5): one per run, written by rank 0 only.
 
-Schema 1 (architecture.md §6):
+Schema 1 (docs/run_file.md#the-run-file-runh5):
   root attrs      schema, hpcnft_version, config (JSON), created
   metrics/<key>   float64 (n, 2) rows of (step, value), resizable, chunked
   rng/step_<k>/rank_<r>   uint8 bytes of each rank's RNG states after step k

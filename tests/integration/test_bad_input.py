@@ -1,5 +1,6 @@
 """`hpcnft run` with bad input: exit 2, one line on stderr naming the problem, no traceback, and
-nothing already in the run dir touched (architecture.md §2: "non-zero with one clear line").
+nothing already in the run dir touched (docs/architecture.md, "Contracts the code keeps": bad
+input is one line).
 
 Every case runs the real command in a fresh interpreter, with the launcher variables of the
 environment removed so that `run` takes its local-spawner path (where the preflight lives).

@@ -56,8 +56,8 @@ def test_a_global_batch_accumulated_on_two_train_ranks_agrees_with_four(tmp_path
     each rank accumulates the gradient over its pairs `train.micro_batch` at a time. The same
     mechanism at a size two CPU cores run in a test: 8 prompts x 8 samples, 576 pairs, 72
     micro-batches of 4 on each of 2 train ranks and 36 on each of 4. Step 1 gives the same
-    rollout metrics bit for bit and the same training metrics within README's Determinism
-    tolerance (the gradients are summed in another order)."""
+    rollout metrics bit for bit and the same training metrics within the tolerance of
+    docs/determinism.md (the gradients are summed in another order)."""
     runs = {}
     for train_ranks in (2, 4):
         runs[train_ranks] = str(tmp_path / f"{train_ranks}+1")

@@ -1,7 +1,7 @@
 """A train step's memory is bounded by the micro-batch, not by the step's samples: the trainer
 runs forward and backward one micro-batch at a time (the gradient accumulates), so only one
 micro-batch's activations are alive at once. What grows with the step is what it keeps for
-each pair until the optimizer step (README, Determinism)."""
+each pair until the optimizer step (docs/determinism.md)."""
 from __future__ import annotations
 
 import json

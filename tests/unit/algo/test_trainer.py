@@ -1,5 +1,5 @@
 """Pieces of hpcnft.algo.trainer and algo.pairs that need no model: the fp16 loss scaler and the (sample, sigma)
-pairs of a step (architecture.md §4-5, nft_spec.md §1.4, §5)."""
+pairs of a step (docs/architecture.md, "One training step"; nft_spec.md §1.4, §5)."""
 from __future__ import annotations
 
 import pytest

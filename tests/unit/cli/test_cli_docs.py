@@ -1,5 +1,5 @@
-"""What a user reads: `hpcnft --help`, `run --help`, and README's reference tables against the
-code they describe."""
+"""What a user reads: `hpcnft --help`, `run --help`, the README's commands, and the reference
+pages' tables (docs/configuration.md, docs/run_file.md) against the code they describe."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,10 @@ from hpcnft.common.recipe_files import recipe_names
 from hpcnft.common.validation import flatten
 from hpcnft.io.runfile import ALL_KEYS
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+README = os.path.join(ROOT, "README.md")
+CONFIGURATION = os.path.join(ROOT, "docs", "configuration.md")
+RUN_FILE = os.path.join(ROOT, "docs", "run_file.md")
 
 
 def help_text(argv: list[str], capsys) -> str:
@@ -39,13 +42,13 @@ def test_run_help_lists_every_recipe(capsys):
         assert re.search(rf"[( ]{re.escape(name)}[,;)]", out), name
 
 
-def _readme() -> str:
-    with open(README, encoding="utf-8") as f:
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
         return f.read()
 
 
 def test_readme_shows_every_command():
-    text = _readme()
+    text = _read(README)
     for name in COMMANDS:
         assert f"hpcnft {name} " in text, name
 
@@ -59,13 +62,13 @@ def _expand_braces(text: str) -> set[str]:
     return found
 
 
-def test_readme_names_every_metric_key():
-    documented = _expand_braces(_readme())
+def test_run_file_page_names_every_metric_key():
+    documented = _expand_braces(_read(RUN_FILE))
     assert [k for k in ALL_KEYS if k not in documented] == []
 
 
-def test_readme_config_table_has_every_config_key():
-    text = _readme()
+def test_configuration_page_has_every_config_key():
+    text = _read(CONFIGURATION)
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     missing = []
     for key in flatten(load_config("tiny").to_dict()):

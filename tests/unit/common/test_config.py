@@ -1,4 +1,4 @@
-"""hpcnft.common.config: recipes, --set parsing, refusals (architecture.md §2, nft_spec.md §5)."""
+"""hpcnft.common.config: recipes, --set parsing, refusals (docs/configuration.md; nft_spec.md §5)."""
 from __future__ import annotations
 
 import os

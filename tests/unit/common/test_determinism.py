@@ -1,4 +1,5 @@
-"""hpcnft.common.determinism and the per-sample noise of hpcnft.algo.sampler (architecture.md §5)."""
+"""hpcnft.common.determinism and the per-sample noise of hpcnft.algo.sampler
+(docs/architecture.md, "Contracts the code keeps")."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Comparison semantics of hpcnft.io.compare (architecture.md §7)."""
+"""Comparison semantics of hpcnft.io.compare (docs/run_file.md#inspecting-and-comparing-runs)."""
 import json
 import math
 
