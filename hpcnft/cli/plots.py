@@ -4,7 +4,12 @@ sample grids (matplotlib, imported only here and only when a figure is drawn).
 Smoothing: `--smooth N` draws the rolling mean over the N steps ending at each row; `--smooth
 epoch` the mean over each pass over the training prompts. A step's prompts cycle through the file,
 so the reward of one step mostly says which prompts it drew; a pass holds every prompt once, and
-its mean is what a trend is read from."""
+its mean is what a trend is read from. A series no finished pass holds a value of (a run shorter
+than one pass, an evaluation only in the unfinished last pass) is drawn raw, and `epoch_notes`
+says so: a pass mean would leave its panel empty.
+
+Without --keys the panels are the rollout reward, each evaluation mean beside it, and the
+training curves."""
 from __future__ import annotations
 
 import math
@@ -17,8 +22,17 @@ from hpcnft.common.errors import UsageError
 from hpcnft.io import runfile
 from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
 
-DEFAULT_PLOT_KEYS = ["rollout/reward/raw_mean", "train/nft_loss", "train/grad_norm", "train/nft_pos_loss",
-                     "eval/pickscore_mean"]
+REWARD_KEY = "rollout/reward/raw_mean"
+TRAIN_PLOT_KEYS = ["train/nft_loss", "train/grad_norm", "train/nft_pos_loss"]
+DEFAULT_KEYS_TEXT = f"{REWARD_KEY}, each eval/*_mean beside it, {', '.join(TRAIN_PLOT_KEYS)}"
+
+
+def default_keys(has_rows: set[str]) -> list[str]:
+    """The rollout reward, then each evaluation mean (eval/<term>_mean, PickScore first) so that
+    the first sits beside it in the two-column grid, then the training curves; those with rows."""
+    evals = sorted((k for k in has_rows if k.startswith("eval/") and k.endswith("_mean")),
+                   key=lambda k: (k != "eval/pickscore_mean", k))
+    return [k for k in [REWARD_KEY, *evals, *TRAIN_PLOT_KEYS] if k in has_rows]
 
 
 def _pyplot():
@@ -74,6 +88,48 @@ def pass_means(steps: np.ndarray, values: np.ndarray, prompts_per_step: int,
     return np.array(centres, dtype=float), np.array(means, dtype=float)
 
 
+def first_pass_end(prompts_per_step: int, num_prompts: int) -> int:
+    """The last step of the first pass over the prompts (the step holding prompt n - 1)."""
+    return (num_prompts - 1) // prompts_per_step + 1
+
+
+def epoch_series(rows: np.ndarray, run_last_step: float, prompts_per_step: int,
+                 num_prompts: int) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(x, y, why raw) of a series under --smooth epoch: its pass means, or its raw values with
+    the reason when no pass mean would show them: a run shorter than one pass, or a series whose
+    values all lie outside the finished passes (an evaluation only in the unfinished last one)."""
+    steps, values = rows[:, 0], rows[:, 1]
+    per_pass = num_prompts / prompts_per_step
+    if run_last_step < first_pass_end(prompts_per_step, num_prompts):
+        return steps, values, (f"the run ends at step {run_last_step:g}, before one pass over its "
+                               f"{num_prompts} training prompts ({per_pass:g} steps of {prompts_per_step}) ends")
+    x, y = pass_means(steps, values, prompts_per_step, num_prompts)
+    if np.isfinite(values).any() and not np.isfinite(y).any():
+        return steps, values, (f"no finished pass over its {num_prompts} training prompts ({per_pass:g} steps) "
+                               "holds a value (the unfinished last pass is left out)")
+    return x, y, None
+
+
+def run_last_step(run: runfile.RunData) -> float:
+    return max((float(v[-1, 0]) for v in run.metrics.values() if len(v)), default=0.0)
+
+
+def epoch_notes(runs: list[runfile.RunData], keys: list[str]) -> list[str]:
+    """One line per run (and key) that --smooth epoch draws raw, saying why."""
+    notes = []
+    for run, label in zip(runs, _run_labels([r.path for r in runs])):
+        per_step, num_prompts = run_pass_length(run)
+        last = run_last_step(run)
+        why = {key: epoch_series(run.metrics[key], last, per_step, num_prompts)[2]
+               for key in keys if len(run.metrics.get(key, ()))}
+        raw = [key for key, reason in why.items() if reason]
+        if raw and last < first_pass_end(per_step, num_prompts):
+            notes.append(f"{label}: --smooth epoch draws the raw values: {why[raw[0]]}")
+        else:
+            notes += [f"{label}: --smooth epoch draws {key} raw: {why[key]}" for key in raw]
+    return notes
+
+
 def run_pass_length(run: runfile.RunData) -> tuple[int, int]:
     """(prompts per step, number of training prompts) of a run, from its config and prompt file."""
     try:
@@ -116,9 +172,9 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
     legend; smoothed, each run's raw values stay faint behind its smoothed curve."""
     has_rows = {k for r in runs for k, v in r.metrics.items() if len(v)}
     if keys is None:
-        keys = [k for k in DEFAULT_PLOT_KEYS if k in has_rows]
+        keys = default_keys(has_rows)
         if not keys:
-            raise UsageError(f"no rows for any of {', '.join(DEFAULT_PLOT_KEYS)}; choose --keys")
+            raise UsageError(f"no rows for any of {DEFAULT_KEYS_TEXT}; choose --keys")
     for key in keys:
         if key not in has_rows:
             raise UsageError(f"no run has rows for {key!r}")
@@ -128,25 +184,21 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.5 * nrows), squeeze=False)
     labels = _run_labels([r.path for r in runs])
     pass_lengths = [run_pass_length(r) for r in runs] if smooth == EPOCH else None
+    raw_only = []  # per curve drawn under --smooth: whether it fell back to its raw values
     for ax, key in zip(axes.flat, keys):
         drawn = np.zeros((0, 2))
         for i, (run, label) in enumerate(zip(runs, labels)):
             rows = run.metrics.get(key, np.zeros((0, 2)))
             # a line style per run, so that identical curves (same config) stay visible
             style = _LINE_STYLES[i % len(_LINE_STYLES)]
-            if smooth is None:
-                ax.plot(rows[:, 0], rows[:, 1], marker="." if len(rows) < 50 else None, label=label,
-                        linestyle=style)
+            x, y, label, why_raw = _series(rows, run, label, smooth, pass_lengths[i] if pass_lengths else None)
+            if smooth is None or why_raw:  # raw only: epoch_notes says why on the command line
+                ax.plot(x, y, marker="." if len(rows) < 50 else None, linestyle=style, label=label)
             else:
                 raw = ax.plot(rows[:, 0], rows[:, 1], linestyle=style, alpha=_RAW_ALPHA, linewidth=0.8)
-                if smooth == EPOCH:
-                    per_step, num_prompts = pass_lengths[i]
-                    x, y = pass_means(rows[:, 0], rows[:, 1], per_step, num_prompts)
-                    label = f"{label}, pass of {num_prompts / per_step:g} steps"
-                else:
-                    x, y = rows[:, 0], rolling_mean(rows[:, 0], rows[:, 1], smooth)
                 ax.plot(x, y, color=raw[0].get_color(), linestyle=style, label=label,
                         marker="o" if smooth == EPOCH else None, markersize=4)
+            raw_only.append(bool(why_raw))
             drawn = np.concatenate([drawn, rows])
         ax.set_title(key)
         ax.set_xlabel("step")
@@ -157,9 +209,29 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
         ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(keys):]:
         ax.set_visible(False)
-    if smooth is not None:
-        fig.suptitle(f"{_smooth_name(smooth)} (faint: every value)")
+    if smooth is not None and all(raw_only):
+        fig.suptitle("raw values: no finished pass over the training prompts to take a mean of")
+    elif smooth is not None:
+        fig.suptitle(f"{_smooth_name(smooth)} (faint: every value"
+                     + ("; raw where no pass is finished)" if any(raw_only) else ")"))
     return fig, keys
+
+
+def _series(rows: np.ndarray, run: runfile.RunData, label: str, smooth: int | str | None,
+            pass_length: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, str, str | None]:
+    """(x, y, legend label, why raw) of one run's curve in a panel: the rows, their rolling mean,
+    or their pass means (the rows themselves when no finished pass holds one, with the reason)."""
+    steps, values = rows[:, 0], rows[:, 1]
+    if smooth is None:
+        return steps, values, label, None
+    if smooth != EPOCH:
+        return steps, rolling_mean(steps, values, smooth), label, None
+    per_step, num_prompts = pass_length
+    if not len(rows):
+        return steps, values, label, None
+    x, y, why_raw = epoch_series(rows, run_last_step(run), per_step, num_prompts)
+    label = f"{label}, raw: no finished pass" if why_raw else f"{label}, pass of {num_prompts / per_step:g} steps"
+    return x, y, label, why_raw
 
 
 _LINE_STYLES = ["-", "--", ":", "-."]

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from hpcnft import __version__
-from hpcnft.cli.plots import DEFAULT_PLOT_KEYS, parse_smooth, plot_curves, plot_samples
+from hpcnft.cli.plots import DEFAULT_KEYS_TEXT, EPOCH, epoch_notes, parse_smooth, plot_curves, plot_samples
 from hpcnft.common.errors import UsageError
 from hpcnft.common.errors import first_line
 from hpcnft.io import runfile, tbevents
@@ -162,7 +162,22 @@ def summary_lines(run: runfile.RunData) -> list[str]:
               for att in run.attempts]
     lines.append(f"events ({len(run.events)})")
     lines += [f"  step {e['step']:>6}  {_clock(e['time'])}  {e['kind']:<10} {e['text']}" for e in run.events]
-    return lines + _metric_table(run.metrics)
+    return lines + [eval_policy_line(run.config)] + _metric_table(run.metrics)
+
+
+_EVAL_POLICIES = {"old": "pi_old, the EMA of theta the rollouts sample with",
+                  "ema": "the evaluation EMA of theta (eval.ema_decay), as in the official recipe"}
+
+
+def eval_policy_line(config) -> str:
+    """Which weights the eval/* metrics are of: the run config's eval.policy, which is also
+    `hpcnft export`'s default --policy. Runs from before the key evaluated pi_old."""
+    section = config.get("eval") if isinstance(config, Mapping) else None
+    policy = section.get("policy") if isinstance(section, Mapping) else None
+    source = "eval.policy" if policy is not None else "the config predates eval.policy"
+    policy = "old" if policy is None else str(policy)
+    return (f"eval metrics (eval/*) are of the {policy} policy: {_EVAL_POLICIES.get(policy, 'unknown')} "
+            f"({source}; `hpcnft export` exports it by default)")
 
 
 def _metric_table(metrics: Mapping[str, np.ndarray]) -> list[str]:
@@ -224,11 +239,12 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run dirs or run.h5 files, overlaid")
     p.add_argument("-o", "--output", required=True, metavar="PNG", help="image to write")
     p.add_argument("--keys", nargs="+", metavar="KEY",
-                   help=f"one panel per key (default: those of {', '.join(DEFAULT_PLOT_KEYS)} with rows)")
+                   help=f"one panel per key (default: those of {DEFAULT_KEYS_TEXT} with rows)")
     p.add_argument("--samples", action="store_true", help="show the run's rollout image grids (samples/step_*.png)")
     p.add_argument("--smooth", metavar="N|epoch",
                    help="draw the rolling mean over N steps, or (epoch) the mean per pass over the training "
-                        "prompts (a run's prompt file and rollout.prompts_per_step), the raw values faint behind")
+                        "prompts (a run's prompt file and rollout.prompts_per_step), the raw values faint behind; "
+                        "a series no finished pass holds a value of is drawn raw, with a line saying so")
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -241,6 +257,8 @@ def _plot(args: argparse.Namespace) -> int:
     smooth = parse_smooth(args.smooth)
     runs = [runfile.read_run(p) for p in args.runs]
     keys = plot_curves(runs, args.output, args.keys, smooth)
+    for note in epoch_notes(runs, keys) if smooth == EPOCH else []:
+        print(f"hpcnft plot: {note}", file=sys.stderr)
     print(f"wrote {args.output}: {len(keys)} panels, {len(runs)} runs")
     return 0
 

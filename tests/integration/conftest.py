@@ -30,3 +30,14 @@ def tiny_flux_run(tmp_path_factory) -> str:
     """`hpcnft run tiny_flux --steps 3` with a checkpoint after every step: the FLUX.1 twin of
     `tiny_run`, for the FLUX job's tests and export."""
     return shared_result(tmp_path_factory, "tiny-flux-run", lambda d: finished_run(d, "tiny_flux", *TINY_ARGS))
+
+
+@pytest.fixture(scope="session")
+def tiny_ema_run(tmp_path_factory) -> str:
+    """`hpcnft run tiny --steps 2` evaluating the evaluation EMA of theta (eval.policy="ema", the
+    official recipe's): the end-of-run evaluation and checkpoint at step 2, for export's tests."""
+    def make(folder) -> str:
+        run_dir = str(folder / "run")
+        hpcnft("run", "tiny", "--steps", "2", "--run-dir", run_dir, "--set", "eval.policy=ema")
+        return run_dir
+    return shared_result(tmp_path_factory, "tiny-ema-run", make)

@@ -177,6 +177,16 @@ def test_show_summarises_config_topology_attempts_events_and_metrics(run_a):
     assert grad_norm == ["train/grad_norm", "4", "0.08", "0.04", "0.08", "1"]  # rows last min max NaNs
 
 
+def test_show_names_the_policy_the_eval_metrics_are_of(tmp_path, run_a):
+    ema = make_run(tmp_path / "ema", config={**CONFIG, "eval": {"policy": "ema", "every": 30}})
+    line = next(line for line in hpcnft("show", ema).stdout.splitlines() if line.startswith("eval metrics"))
+    assert line.startswith("eval metrics (eval/*) are of the ema policy: the evaluation EMA of theta")
+    assert "(eval.policy; `hpcnft export` exports it by default)" in line
+    # a config from before eval.policy: those runs evaluated pi_old
+    assert "eval metrics (eval/*) are of the old policy: pi_old, the EMA of theta the rollouts sample with " \
+           "(the config predates eval.policy;" in hpcnft("show", run_a).stdout
+
+
 def test_show_of_a_missing_run_is_exit_2(tmp_path):
     assert_one_line_error(hpcnft("show", tmp_path / "nope"))
 
@@ -269,6 +279,18 @@ def test_plot_smoothed_by_steps_or_by_pass_over_the_prompts_writes_a_png(tmp_pat
     assert_one_line_error(r)
     assert "data.train_prompts" in r.stderr and "prompts.txt" in r.stderr
     assert_one_line_error(hpcnft("plot", cycling, "-o", tmp_path / "x.png", "--smooth", "0"))
+
+
+def test_plot_by_pass_of_a_run_shorter_than_one_pass_draws_it_raw_and_says_why(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(16)))
+    config = {**CONFIG, "data": {"train_prompts": str(prompts)}, "rollout": {"prompts_per_step": 2}}
+    short = make_run(tmp_path / "short", config=config)  # 4 steps of a pass of 8
+    r = hpcnft("plot", short, "-o", tmp_path / "short.png", "--smooth", "epoch")
+    assert r.returncode == 0 and r.stdout == f"wrote {tmp_path / 'short.png'}: 5 panels, 1 runs\n", r.stderr
+    assert r.stderr == ("hpcnft plot: short: --smooth epoch draws the raw values: the run ends at step 4, before "
+                        "one pass over its 16 training prompts (8 steps of 2) ends\n")
+    assert read_png(tmp_path / "short.png").size > 0
 
 
 def test_plot_samples_shows_the_saved_grids(tmp_path, run_a):

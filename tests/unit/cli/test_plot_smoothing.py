@@ -152,3 +152,62 @@ def test_counting_a_runs_prompts_leaves_torch_unimported():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.stdout.strip() == "False"
+
+
+def curves(fig) -> dict[str, list[tuple[str, list[float]]]]:
+    """Panel title -> (legend label, plotted values) of each curve drawn opaque (not faint)."""
+    return {ax.get_title(): [(line.get_label(), line.get_ydata().tolist()) for line in ax.get_lines()
+                             if line.get_alpha() in (None, 1.0)]
+            for ax in fig.axes if ax.get_visible()}
+
+
+def test_a_run_shorter_than_one_pass_is_drawn_raw_and_says_why():
+    """32 prompts, 4 a step: the first pass ends at step 8, the run at step 4. A pass mean would
+    leave every panel empty (legends without points); the raw values are drawn instead."""
+    import matplotlib.pyplot as plt
+
+    run = run_with({"data": {"train_prompts": "builtin:tiny_train_prompts.txt"}, "rollout": {"prompts_per_step": 4}})
+    run.metrics["eval/pickscore_mean"] = np.array([[0, 0.5], [4, 0.75]])
+    fig, keys = plots.curves_figure([run], smooth="epoch")
+    assert curves(fig) == {"rollout/reward/raw_mean": [("a, raw: no finished pass", [0.0, 1.0, 2.0, 3.0])],
+                           "eval/pickscore_mean": [("a, raw: no finished pass", [0.5, 0.75])]}
+    assert "raw values" in fig._suptitle.get_text()
+    plt.close(fig)
+    assert plots.epoch_notes([run], keys) == [
+        "a: --smooth epoch draws the raw values: the run ends at step 4, before one pass over its 32 training "
+        "prompts (8 steps of 4) ends"]
+
+
+def test_an_evaluation_only_in_the_unfinished_last_pass_is_drawn_raw_beside_the_pass_means(tmp_path):
+    import matplotlib.pyplot as plt
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a\nb\nc\nd\n")
+    run = run_with({"data": {"train_prompts": str(prompts)}, "rollout": {"prompts_per_step": 2}})
+    run.metrics["rollout/reward/raw_mean"] = np.array([[1, 0.0], [2, 1.0], [3, 2.0], [4, 3.0], [5, 4.0]])
+    run.metrics["eval/pickscore_mean"] = np.array([[5, 0.25]])  # in pass 3 (steps 5-6), unfinished
+    fig, keys = plots.curves_figure([run], smooth="epoch")
+    assert curves(fig) == {"rollout/reward/raw_mean": [("a, pass of 2 steps", [0.5, 2.5])],
+                           "eval/pickscore_mean": [("a, raw: no finished pass", [0.25])]}
+    assert fig._suptitle.get_text().endswith("; raw where no pass is finished)")
+    plt.close(fig)
+    (note,) = plots.epoch_notes([run], keys)
+    assert note.startswith("a: --smooth epoch draws eval/pickscore_mean raw: no finished pass")
+
+
+def test_the_default_panels_put_each_evaluation_mean_beside_the_rollout_reward():
+    import matplotlib.pyplot as plt
+
+    run = run_with({})
+    rows = run.metrics["rollout/reward/raw_mean"]
+    for key in ("train/nft_loss", "train/grad_norm", "eval/aesthetic_mean", "eval/aesthetic_std",
+                "eval/pickscore_mean"):
+        run.metrics[key] = rows
+    fig, keys = plots.curves_figure([run])
+    assert keys == ["rollout/reward/raw_mean", "eval/pickscore_mean", "eval/aesthetic_mean", "train/nft_loss",
+                    "train/grad_norm"]
+    first_row = [ax.get_title() for ax in fig.axes[:2]]  # two panels a row
+    assert first_row == ["rollout/reward/raw_mean", "eval/pickscore_mean"]
+    plt.close(fig)
+    assert plots.default_keys({"rollout/reward/raw_mean", "train/nft_loss"}) == ["rollout/reward/raw_mean",
+                                                                                  "train/nft_loss"]
