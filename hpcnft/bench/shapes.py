@@ -286,7 +286,7 @@ def world1_mesh(dev):
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        from hpcnft.distributed.groups import free_port
+        from hpcnft.distributed.spawner import free_port
 
         if not dist.is_initialized():
             backend = "nccl" if dev.type == "cuda" else "gloo"

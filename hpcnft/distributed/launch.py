@@ -39,6 +39,8 @@ import re
 import zlib
 from dataclasses import dataclass
 
+from hpcnft.common.errors import ConfigError
+
 __all__ = ["LaunchInfo", "LaunchError", "NodelistError", "parse_nodelist", "job_port", "LAUNCHERS", "DEFAULT_PORT",
            "EnvNames", "LAUNCHER_ENV", "SLURM_ENV"]
 
@@ -213,3 +215,14 @@ def parse_nodelist(s: str) -> list[str]:
             raise NodelistError(f"empty host name in host list {text!r}")
         hosts.extend(_expand_host(item, text))
     return hosts
+
+
+def roles(world_size: int, reward_ranks: int) -> tuple[list[int], list[int]]:
+    """(train ranks, reward ranks) of a world: the last `reward_ranks` serve rewards; world 1 is
+    colocated (the one rank trains and scores)."""
+    if world_size == 1:
+        return [0], []
+    if reward_ranks >= world_size:
+        raise ConfigError(f"layout.reward_ranks: {reward_ranks} leaves no train rank in a world of {world_size}")
+    n_train = world_size - reward_ranks
+    return list(range(n_train)), list(range(n_train, world_size))

@@ -18,6 +18,7 @@ import torch
 
 from hpcnft.models.tiny_cache import DONE_MARKER, PICKSCORE_DIRNAME, SD3_DIRNAME
 from hpcnft.models.tiny_tokenizers import finish_tokenizer_dir, make_clip_tokenizer, make_t5_tokenizer
+from hpcnft.models.tiny_dims import TINY_TRANSFORMER  # noqa: F401 - the tiny SD3.5 DiT, built here
 # ----------------------------------------------------------------------------------------
 # Prompt corpus used to train the tiny tokenizers (and as demo prompts).
 # ----------------------------------------------------------------------------------------
@@ -77,21 +78,6 @@ CHAR_COVERAGE = (
 #   joint_attention_dim    == t5.d_model >= clip1.hidden_size + clip2.hidden_size
 #   vae_scale_factor = 2 ** (len(vae.block_out_channels) - 1)  -> keep 4 blocks => 8x
 # ----------------------------------------------------------------------------------------
-TINY_TRANSFORMER = dict(
-    sample_size=16,  # default image size = 16 * 8 = 128 px
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=2,
-    attention_head_dim=8,
-    num_attention_heads=4,  # inner_dim 32
-    joint_attention_dim=64,
-    caption_projection_dim=32,
-    pooled_projection_dim=64,
-    pos_embed_max_size=32,  # latent grid up to 32 patches -> up to 512 px
-    dual_attention_layers=(0,),  # SD3.5 MMDiT-X block
-    qk_norm="rms_norm",  # SD3.5
-)
 TINY_VAE = dict(
     in_channels=3,
     out_channels=3,

@@ -14,24 +14,13 @@ import shutil
 import torch
 
 from hpcnft.models.tiny import CHAR_COVERAGE, PROMPTS, TINY_CLIP_TEXT, TINY_T5, TINY_VAE, record_t5_tokenizer_fast
+from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER
 from hpcnft.models.tiny_tokenizers import finish_tokenizer_dir, make_clip_tokenizer, make_t5_tokenizer
 
 # Constraints (FluxPipeline / FluxTransformer2DModel):
 #   in_channels == 4 * vae.latent_channels (2x2 packing), patch_size 1
 #   sum(axes_dims_rope) == attention_head_dim
 #   joint_attention_dim == t5.d_model ; pooled_projection_dim == clip.hidden_size (pooler output)
-TINY_FLUX_TRANSFORMER = dict(
-    patch_size=1,
-    in_channels=64,
-    num_layers=1,  # double-stream blocks (19 in FLUX.1-dev)
-    num_single_layers=2,  # single-stream blocks (38)
-    attention_head_dim=8,
-    num_attention_heads=4,
-    joint_attention_dim=64,
-    pooled_projection_dim=32,
-    guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
-    axes_dims_rope=(2, 2, 4),
-)
 TINY_FLUX_VAE = dict(TINY_VAE, scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1's values
 TINY_FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                            max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)

@@ -17,7 +17,7 @@ from hpcnft.common.config import Config, ConfigError
 from hpcnft.common.validation import check_layout
 from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError,
                                   one_line)
-from hpcnft.distributed import groups
+from hpcnft.distributed import groups, spawner
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
@@ -64,14 +64,14 @@ def take_run_dir(cfg: Config, rank: int, notes: list[str]):
 
 def rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides=()) -> int:
     """The rank's exit code. `recipe` and `overrides` are the command's: what a resume repeats."""
-    groups.name_process(info.rank)
+    spawner.name_process(info.rank)
     device_type = "cuda" if (cfg.layout.device != "cpu" and torch.cuda.is_available()) else "cpu"
     determinism.enable(cfg.determinism.enabled, cfg.determinism.cpu_threads, device_type)
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
-    if os.environ.get(groups.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
-        groups.end_with_parent(int(os.environ[groups.SPAWNER_PID_ENV]))
+    if os.environ.get(spawner.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
+        spawner.end_with_parent(int(os.environ[spawner.SPAWNER_PID_ENV]))
     try:
         code = _rank_main(cfg, info, recipe, list(overrides), flag)
     finally:
@@ -104,11 +104,12 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
     stopped = stopped_before_start(flag, info.rank)
     if stopped is not None:
         return stopped
-    try:  # under a launcher no preflight ran: every rank refuses before the rendezvous, rank 0 says why
+    try:  # what every rank would refuse alike: refused before the rendezvous, said once per node
         check_trackers(cfg)
         check_layout(cfg, info.world_size)
+        groups.resolve_backend(cfg, groups.pick_device(cfg, info.local_rank))  # the device and backend here
     except (UsageError, ConfigError) as e:
-        if info.rank == 0:
+        if info.local_rank == 0:
             print_err(str(e))
         return EXIT_BAD_INPUT
     try:
@@ -128,7 +129,8 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
     try:
         topo, group, mesh = groups.setup(cfg, info)
     except ConfigError as e:
-        print_err(f"rank {info.rank}: {e}")
+        if info.local_rank == 0:
+            print_err(str(e))
         return EXIT_BAD_INPUT
     except groups.RendezvousError as e:
         print_err(str(e))

@@ -62,11 +62,13 @@ class DitDims:
                    joint_dim=c["joint_attention_dim"])
 
 
-def text_tokens(family: str, max_sequence_length: int) -> int:
-    """The DiT's text tokens: SD3's CLIP-L/G (77) beside T5, FLUX's T5 alone."""
-    from hpcnft.models.families import family_named
+CLIP_TOKENS = 77
 
-    return family_named(family).prompt_tokens(max_sequence_length)
+
+def text_tokens(family: str, max_sequence_length: int) -> int:
+    """The DiT's text tokens: SD3's CLIP-L/G (77) beside T5, FLUX's T5 alone: each family's
+    prompt_tokens (models.families, which imports torch, which the spawner does not)."""
+    return max_sequence_length + (CLIP_TOKENS if family == "sd3" else 0)
 
 
 def image_tokens(d: DitDims, height: int, width: int) -> int:
@@ -132,13 +134,11 @@ def pair_flops(f: ForwardFlops, lora: bool, grad_checkpointing: bool, kl: bool) 
 def step_flops(cfg: Config, d: DitDims) -> StepFlops:
     """The DiT FLOPs of one iteration, all train ranks together (hpcnft.algo.iteration: the rollout
     samples, then the train step's pairs, K trained sigmas a sample)."""
-    from hpcnft.algo.nft import num_trained_sigmas  # torch: not for a start that the config ends
-
     r, t = cfg.rollout, cfg.train
     f = dit_forward_flops(d, image_tokens(d, r.height, r.width), text_tokens(d.family, r.max_sequence_length))
     passes = 2 if d.family == "sd3" and r.guidance_scale > 1.0 else 1  # SD3's CFG: two; FLUX embeds it
     rollout = cfg.samples_per_step * r.num_steps * passes * f.total
-    pairs = cfg.samples_per_step * num_trained_sigmas(r.num_steps, cfg.nft.timestep_fraction)
+    pairs = cfg.samples_per_step * int(r.num_steps * cfg.nft.timestep_fraction)  # algo.nft.num_trained_sigmas
     return StepFlops(f, rollout, pairs * pair_flops(f, t.finetune == "lora", t.grad_checkpointing, cfg.nft.kl_beta > 0))
 
 
@@ -214,10 +214,9 @@ def dit_dims(cfg: Config) -> tuple[DitDims | None, bool]:
     m = cfg.models
     folder = m.sd3_dir if m.family == "sd3" else m.flux_dir
     if not folder:
-        if m.family == "sd3":
-            from hpcnft.models.tiny import TINY_TRANSFORMER as tiny
-        else:
-            from hpcnft.models.tiny_flux import TINY_FLUX_TRANSFORMER as tiny
+        from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER, TINY_TRANSFORMER
+
+        tiny = TINY_TRANSFORMER if m.family == "sd3" else TINY_FLUX_TRANSFORMER
         return DitDims.from_config(m.family, tiny), True
     try:  # a folder the preflight will refuse gives no estimate (its refusal is the line to see)
         with open(os.path.join(folder, "transformer", "config.json"), encoding="utf-8") as f:
@@ -227,11 +226,17 @@ def dit_dims(cfg: Config) -> tuple[DitDims | None, bool]:
 
 
 def runs_on_cpu(cfg: Config) -> bool:
+    """Whether the ranks will run on CPUs. For layout.device auto, whether this machine shows
+    no NVIDIA GPU to this process (the driver's device list, CUDA_VISIBLE_DEVICES): the spawner
+    imports no torch to ask it, and the answer only words a warning."""
     if cfg.layout.device != "auto":
         return cfg.layout.device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return True
+    try:
+        return not os.listdir("/proc/driver/nvidia/gpus")
+    except OSError:
+        return True
 
 
 def available_cpus() -> int:

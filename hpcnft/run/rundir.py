@@ -19,7 +19,7 @@ def preflight(cfg, world_size: int | None = None) -> None:
 def check_input(cfg, world_size: int | None = None) -> None:
     """preflight's checks that do not read the run dir's contents (a run that holds the run dir
     may be writing them); the layout's against `world_size` when the job's size is known."""
-    from hpcnft.algo.prompts import PromptFileError, read_prompt_file
+    from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
     from hpcnft.common.errors import ConfigError
     from hpcnft.common.validation import check_layout
 
@@ -48,7 +48,6 @@ def check_input(cfg, world_size: int | None = None) -> None:
         raise UsageError(str(e)) from None
     check_trackers(cfg)
     check_run_dir(cfg.run_dir)
-    check_backend(cfg)
 
 
 def lock_run_dir(run_dir: str, warn, inherited: bool = False):
@@ -71,20 +70,6 @@ def check_trackers(cfg) -> None:
         problem = missing_package(name)
         if problem:
             raise UsageError(problem)
-
-
-def check_backend(cfg) -> None:
-    """The backend the ranks will choose on this machine must suit the layout's options."""
-    import torch
-
-    from hpcnft.common.errors import ConfigError
-    from hpcnft.distributed.groups import resolve_backend
-
-    gpu = cfg.layout.device != "cpu" and torch.cuda.is_available()
-    try:
-        resolve_backend(cfg, torch.device("cuda" if gpu else "cpu"))
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
 
 
 def resume_command(recipe: str, overrides, run_dir: str, steps: int) -> str:
@@ -113,38 +98,39 @@ def finished_line(run_dir: str, step: int) -> str:
 
 
 def check_existing_run(cfg) -> int | None:
-    """A run dir that already holds a run may only be resumed with a compatible config, and
-    its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it).
-    Returns the step a finished run ended at (its newest checkpoint is at cfg.steps or later,
-    and its run.h5 needs no rebuilding), else None: then there is something to run."""
+    """What the run dir already holds, read without torch (the spawner's check; rank 0 plans
+    the resume from the checkpoints themselves, resume.agree_plan). With no checkpoint, a run.h5
+    there must be a run file of this config, which the run appends to. Returns the step a
+    finished run ended at: its run.h5 says it finished at cfg.steps or later, with this config
+    (what may change on resume aside), and that step's checkpoint is complete; else None."""
     from hpcnft.common.config import ConfigError
-    from hpcnft.common.config_changes import differing_keys
+    from hpcnft.common.config_changes import config_changes, differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
 
+    path = os.path.join(cfg.run_dir, "run.h5")
+    checkpoints = os.path.join(cfg.run_dir, "checkpoints")
     try:
-        resumable, finished = False, None
-        if os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-            from hpcnft.run.resume import RunFileLostError, plan_resume
-
-            try:
-                plan = plan_resume(cfg, cfg.run_dir, warn=lambda _text: None)
-            except RunFileLostError as e:
-                raise UsageError(str(e)) from None
-            resumable = plan.checkpoint is not None
-            if resumable and plan.checkpoint[0] >= cfg.steps and not plan.rebuild_why:
-                finished = plan.checkpoint[0]
-        path = os.path.join(cfg.run_dir, "run.h5")
-        if not resumable and os.path.lexists(path):
+        if not os.path.lexists(path):
+            return None
+        if not os.path.isdir(checkpoints):
             stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
             diff = differing_keys(stored, cfg.to_dict())
             if diff:
                 raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                                  f"({', '.join(diff[:5])}); choose another --run-dir")
+            return None
+        run = read_run(path)
+        done = [e["step"] for e in run.events if e["kind"] == "done"]
+        if not done or done[-1] < cfg.steps or config_changes(run.config, cfg.to_dict()):
+            return None
+        complete = os.path.join(checkpoints, f"step_{done[-1]:06d}", "COMPLETE")  # io.checkpoint's layout
+        return done[-1] if os.path.exists(complete) else None
     except ConfigError as e:
         raise UsageError(str(e)) from None
     except RunFileError as e:
+        if os.path.isdir(checkpoints):
+            return None  # rank 0 plans from the checkpoints, and rebuilds run.h5 from one
         raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
-    return finished
 
 
 def check_run_dir(path: str) -> None:

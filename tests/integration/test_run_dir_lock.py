@@ -13,7 +13,7 @@ import time
 import pytest
 
 from jobs import hpcnft, start, wait_for_line
-from hpcnft.distributed.groups import free_port
+from hpcnft.distributed.spawner import free_port
 from hpcnft.io.rundir_lock import Holder, parse_holder
 from hpcnft.io.runfile import read_run
 

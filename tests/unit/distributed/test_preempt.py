@@ -60,7 +60,7 @@ import torch.distributed as dist
 from hpcnft.common.config import load_config
 from hpcnft.common.errors import EXIT_BAD_INPUT
 from hpcnft.distributed.detect import detect
-from hpcnft.distributed.groups import free_port
+from hpcnft.distributed.spawner import free_port
 from hpcnft.run.entry import rank_main
 cfg = load_config("tiny", [f"models.sd3_dir={sys.argv[1]}/missing"], run_dir=f"{sys.argv[1]}/run")
 launch = detect({"MASTER_PORT": str(free_port())})  # not 29500, which another job may hold
@@ -145,7 +145,7 @@ if sys.argv[1] == "parent":
     child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "child", str(os.getpid()), sys.argv[3]])
     time.sleep(600)
 else:
-    from hpcnft.distributed.groups import end_with_parent
+    from hpcnft.distributed.spawner import end_with_parent
     got = []
     signal.signal(signal.SIGHUP, lambda s, f: got.append(s))
     assert end_with_parent(int(sys.argv[2]))

@@ -1,58 +1,48 @@
 """The local spawner's exit code: the first failed rank's, however close together the ranks end;
-for ranks started as new interpreters and for ranks forked from the spawner alike."""
+signals passed on, Ctrl-C, the failure claim; and the spawner itself imports no torch."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 
 import pytest
 
-from hpcnft.distributed.groups import spawn_local
+from hpcnft.distributed.spawner import spawn_local
 
-HOW = ["exec", "fork"]
 
 
 def role(rank):
     return "reward" if rank == 2 else "train"
 
 
-def spawn(script: str, how: str, **kw) -> int:
-    """spawn_local of 3 ranks running `script`: in new interpreters, or forked (the script run by
-    the entry the spawner calls in each child; an entry's return value is the rank's exit code)."""
-    if how == "exec":
-        return spawn_local([], 3, role, command=(sys.executable, "-c", script), **kw)
-
-    def entry(argv):
-        exec(compile(script, "<rank>", "exec"), {})
-        return 0
-    return spawn_local([], 3, role, entry=entry, **kw)
+def spawn(script: str, **kw) -> int:
+    """spawn_local of 3 ranks, each a new interpreter running `script`."""
+    return spawn_local([], 3, role, command=(sys.executable, "-c", script), **kw)
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_ranks_that_all_fail_at_once_fail_the_job(capfd, how):
+def test_ranks_that_all_fail_at_once_fail_the_job(capfd):
     # all three exit at the same instant, as ranks do on a full disk: almost surely between two
     # of the spawner's polls
     script = f"import os, time; time.sleep(max(0.0, {time.time() + 1.5} - time.time())); os._exit(3)"
-    assert spawn(script, how) == 3
+    assert spawn(script) == 3
     assert "failed: exit code 3; stopping the other ranks" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it(how):
+def test_the_first_failure_is_the_jobs_code_and_a_signal_maps_to_128_plus_it():
     script = ("import os, signal, sys, time; r = int(os.environ['RANK'])\n"
               "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
               "time.sleep(2); sys.exit(1)")
-    assert spawn(script, how) == 128 + 9
+    assert spawn(script) == 128 + 9
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_ranks_that_all_succeed_make_a_zero_exit(how):
-    assert spawn("import sys; sys.exit(0)", how) == 0
+def test_ranks_that_all_succeed_make_a_zero_exit():
+    assert spawn("import sys; sys.exit(0)") == 0
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path, how):
+def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path):
     # the run dir's lock: rank 0 reads the inherited file through the number in the variable;
     # the other ranks get neither the variable nor the descriptor
     path = tmp_path / "shared"
@@ -64,82 +54,19 @@ def test_only_rank_0_inherits_the_descriptor_it_is_given(tmp_path, how):
                   f"    os.fstat({f.fileno()}); sys.exit(7)\n"
                   "except OSError:\n"
                   "    sys.exit(0 if v is None else 6)")
-        assert spawn(script, how, rank0_fd=("LOCK_FD", f.fileno())) == 0
+        assert spawn(script, rank0_fd=("LOCK_FD", f.fileno())) == 0
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_death(capfd, how):
+def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_death(capfd):
     # rank 1 is killed; rank 0 notices at once and exits 1, both between two of the spawner's polls
     at = time.time() + 1.5
     script = (f"import os, signal, time; r = int(os.environ['RANK']); time.sleep(max(0.0, {at} - time.time()))\n"
               "if r == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
               "if r == 0: time.sleep(0.01); os._exit(1)\n"
               "time.sleep(2); os._exit(1)")
-    assert spawn(script, how) == 128 + 9
+    assert spawn(script) == 128 + 9
     err = capfd.readouterr().err
     assert "rank 1 (train) failed: killed by SIGKILL" in err and "rank 0" not in err
-
-
-def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(capfd):
-    def entry(argv):
-        raise RuntimeError("boom in rank " + os.environ["RANK"])
-    assert spawn_local([], 3, role, entry=entry) == 1
-    err = capfd.readouterr().err
-    assert "RuntimeError: boom in rank" in err and "Traceback" in err
-
-
-def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
-    """atexit handlers a rank registers run when it ends (libraries close their files there)."""
-    def entry(argv):
-        import atexit
-
-        rank = os.environ["RANK"]
-        atexit.register(lambda: (tmp_path / f"closed-{rank}").write_text(rank))
-        return 0
-    assert spawn_local([], 3, role, entry=entry) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1", "closed-2"]
-
-
-def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
-    import torch
-
-    from hpcnft.common.config import load_config
-    from hpcnft.distributed.groups import ranks_can_fork
-
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", None)
-    assert ranks_can_fork(load_config("tiny"))  # a torch without CUDA
-    monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert not ranks_can_fork(load_config("tiny"))  # layout.device auto: the ranks may take a GPU
-    assert ranks_can_fork(load_config("tiny", ["layout.device=cpu"]))
-
-
-@pytest.mark.parametrize("built_here", [False, True])
-def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch, tmp_path, built_here):
-    """Building the tiny models runs torch in the spawner (an OpenMP pool a fork would hang on):
-    that start's ranks are new interpreters; every other CPU start forks them after importing
-    their libraries."""
-    import argparse
-
-    from hpcnft.cli import run as cli_run
-    from hpcnft.common.config import load_config
-    from hpcnft.distributed import groups
-
-    seen = {}
-    monkeypatch.setattr(cli_run, "tiny_models_needed", lambda cfg: built_here)
-    monkeypatch.setattr("hpcnft.models.loading.resolve_model_paths", lambda cfg: None)
-    monkeypatch.setattr(groups, "spawn_local",
-                        lambda argv, world, role_of, rank0_fd, entry, **kw: seen.update(entry=entry))
-    monkeypatch.setattr(groups, "ranks_can_fork", lambda cfg: True)
-    cfg = load_config("tiny", run_dir=str(tmp_path))
-    cli_run.spawn_ranks(cfg, argparse.Namespace(recipe="tiny", overrides=[], steps=1), rank0_fd=None)
-    from hpcnft.cli.main import main
-
-    assert seen["entry"] is (None if built_here else main)
-    if not built_here:
-        import sys
-
-        assert "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3" in sys.modules
 
 
 def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(capfd):
@@ -163,7 +90,7 @@ def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(ca
 
 def test_ranks_are_told_which_process_spawned_them():
     script = "import os, sys; sys.exit(0 if os.environ['HPCNFT_SPAWNER_PID'] == str(os.getppid()) else 4)"
-    assert spawn(script, "exec") == 0 and spawn(script, "fork") == 0
+    assert spawn(script) == 0
 
 
 def interrupt_after_forwarding(times: int, gap_s: float = 1.0) -> None:
@@ -213,8 +140,7 @@ def test_a_second_ctrl_c_stops_the_ranks_at_once_and_says_how_to_resume(capfd, t
                         "the last checkpoint") and len(lines) == 2 and "failed" not in lines[0]
 
 
-@pytest.mark.parametrize("how", HOW)
-def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd, how, tmp_path):
+def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd, tmp_path):
     """Rank 2 fails first (it claims the failure), rank 1 notices and exits before it does."""
     script = ("import os, sys, time; r = int(os.environ['RANK'])\n"
               "if r == 1: sys.exit(1)\n"
@@ -224,6 +150,28 @@ def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd,
     os.makedirs(tmp_path / "logs")
     claim = FailureClaim(str(tmp_path))
     claim.claim(2)
-    assert spawn(script, how, failure_claim=claim) == 1
+    assert spawn(script, failure_claim=claim) == 1
     err = capfd.readouterr().err
     assert err == "hpcnft: rank 2 (reward) failed; stopping the other ranks\n"
+
+
+def test_the_spawner_imports_no_torch_and_starts_the_ranks_into_their_entry(tmp_path):
+    """`hpcnft run` with no launcher, up to the moment it starts the ranks: torch is not
+    imported (the ranks load it), and each rank runs hpcnft.run.rank, not the command line."""
+    probe = ("import json, sys\n"
+             "from hpcnft.distributed import spawner\n"
+             "def record(argv, world, role_of, **kw):\n"
+             "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world,\n"
+             "                      'command': list(kw.get('command', spawner.RANK_COMMAND))}))\n"
+             "    return 0\n"
+             "spawner.spawn_local = record\n"
+             "from hpcnft.cli.main import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HPCNFT_LAUNCHER")}
+    r = subprocess.run([sys.executable, "-c", probe, "run", "tiny", "--run-dir", str(tmp_path / "run"), "--set",
+                        "optim.lr=1e-4"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.splitlines()[-1])
+    assert seen == {"torch": False, "argv": ["tiny", "--run-dir", str(tmp_path / "run"), "--set", "optim.lr=1e-4"],
+                    "world": 3, "command": [sys.executable, "-m", "hpcnft.run.rank"]}

@@ -191,3 +191,11 @@ def test_the_notes_print_once_per_job(tmp_path, monkeypatch, capsys, cpu, launch
     out, err = capsys.readouterr()
     assert (out.startswith("hpcnft: recipe file") and err.startswith("hpcnft: warning: ")) is prints
     assert (out, err) == ("", "") or prints
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_the_text_tokens_are_each_familys_own(family):
+    from hpcnft.models.families import family_named
+    from hpcnft.run.estimate import text_tokens
+
+    assert text_tokens(family, 256) == family_named(family).prompt_tokens(256)

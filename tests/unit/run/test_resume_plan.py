@@ -90,10 +90,10 @@ def test_without_any_copy_a_lost_run_file_is_refused_in_one_line(run):
     with pytest.raises(RunFileLostError) as e:
         _plan(cfg)
     assert "run.h5 is missing" in str(e.value) and "(run_state.h5 is missing)" in str(e.value)
-    with pytest.raises(UsageError) as e:
-        check_existing_run(cfg)
-    line = str(e.value)
-    assert len(line.splitlines()) == 1 and repr(cfg.run_dir) in line and "restore run.h5" in line
+    assert len(str(e.value).splitlines()) == 1 and "restore run.h5" in str(e.value)
+    # the spawner reads no checkpoint (that takes torch): rank 0's plan refuses it, in one line
+    # (tests/integration/test_rebuild.py runs it)
+    assert check_existing_run(cfg) is None
 
 
 def test_a_damaged_run_file_without_checkpoints_is_still_refused(tmp_path):

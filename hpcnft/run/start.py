@@ -1,0 +1,115 @@
+"""How `hpcnft run` starts, whatever started it.
+
+With no launcher in the environment this process is the local spawner: it checks the input
+once (config, layout against the world size, prompt files, model folders, run dir and its
+lock), says a finished run is finished, and starts the layout's ranks as new interpreters
+running `python -m hpcnft.run.rank` (distributed.spawner), holding the run dir's lock until
+rank 0 takes it over. The spawner imports no torch: the ranks load it, and build the tiny
+models (once, under a file lock). Under torchrun, srun, mpirun or submitit this process is one
+rank of the job (run.entry.rank_main)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from hpcnft.common import collector
+from hpcnft.common.config import ConfigError, load_config
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, UsageError
+from hpcnft.common.validation import local_world_size
+from hpcnft.distributed import preempt
+from hpcnft.distributed.detect import detect
+from hpcnft.distributed.launch import LaunchError, roles
+from hpcnft.run.failures import FailureClaim
+from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, finished_line, lock_run_dir,
+                               resume_command)
+
+
+def start(recipe: str, overrides: list[str], run_dir: str | None, steps: int | None) -> int:
+    """`hpcnft run RECIPE [--set ...] [--run-dir D] [--steps N]`: the job's exit code (this
+    rank's under a launcher). Bad input raises UsageError (one line)."""
+    from hpcnft.run.estimate import print_startup_notes
+
+    try:
+        cfg = load_config(recipe, overrides, steps=steps, run_dir=run_dir)
+        info = detect(os.environ)
+        print_startup_notes(cfg, recipe, info)  # a recipe file's base; a step that will be long
+    except (ConfigError, LaunchError) as e:
+        raise UsageError(str(e)) from None
+    if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
+        collector.settle()
+        return spawn_job(cfg, recipe, overrides, steps)
+    from hpcnft.run.entry import rank_main
+
+    return rank_main(cfg, info, recipe, overrides)
+
+
+def spawn_job(cfg, recipe: str, overrides: list[str], steps: int | None) -> int:
+    """No launcher: check the input, take the run dir, then start the ranks. This process holds
+    the run dir's lock while the ranks run and hands it to rank 0, so a second start is refused
+    before it spawns anything."""
+    from hpcnft.io.rundir_lock import INHERITED_FD_ENV, RunDirInUse
+
+    os.umask(int(cfg.umask, 8))  # run dirs and files: private to the user by default (077)
+    cfg.run_dir = cfg.run_dir or default_run_dir(recipe)
+    check_input(cfg, local_world_size(cfg))
+    created = not os.path.exists(cfg.run_dir)
+    try:
+        os.makedirs(cfg.run_dir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"run dir {cfg.run_dir!r}: {e.strerror}") from None
+    try:
+        lock = lock_run_dir(cfg.run_dir, warn=lambda text: print(f"hpcnft: {text}", file=sys.stderr, flush=True))
+    except RunDirInUse as e:
+        print(f"hpcnft: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    try:
+        finished = check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        if finished is not None:  # said before any rank starts
+            print(f"hpcnft: {finished_line(cfg.run_dir, finished)}", flush=True)
+            return 0
+        code = spawn_ranks(cfg, recipe, overrides, steps, rank0_fd=(INHERITED_FD_ENV, lock.fd))
+    finally:
+        lock.release()
+    if code == EXIT_BAD_INPUT and created:
+        remove_if_unused(cfg.run_dir)  # the ranks refused before writing anything: no run dir is left
+    return code
+
+
+def remove_if_unused(run_dir: str) -> None:
+    """Remove a run dir this start made that holds nothing but its lock file."""
+    from hpcnft.io.rundir_lock import LOCK_NAME
+
+    try:
+        if set(os.listdir(run_dir)) <= {LOCK_NAME}:
+            for name in os.listdir(run_dir):
+                os.remove(os.path.join(run_dir, name))
+            os.rmdir(run_dir)
+    except OSError:
+        pass
+
+
+def rank_argv(recipe: str, overrides: list[str], run_dir: str, steps: int | None) -> list[str]:
+    """The command line of a spawned rank (hpcnft.run.rank)."""
+    argv = [recipe, "--run-dir", run_dir, *[word for item in overrides for word in ("--set", item)]]
+    return argv + (["--steps", str(steps)] if steps is not None else [])
+
+
+def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0_fd) -> int:
+    from hpcnft.distributed.spawner import spawn_local
+
+    world = local_world_size(cfg)
+    train, reward = roles(world, cfg.layout.reward_ranks)
+    print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
+          flush=True)
+    early = preempt.early_signal()
+    if early:
+        print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    claim = FailureClaim(cfg.run_dir)
+    claim.clear()
+    resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
+    code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
+                       lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, resume_hint=f"`{resume}`",
+                       failure_claim=claim)
+    sys.stdout.flush()
+    return code
