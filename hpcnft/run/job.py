@@ -19,7 +19,7 @@ from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
-from hpcnft.io import checkpoint
+from hpcnft.io.checkpointer import Checkpointer
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers
@@ -58,14 +58,17 @@ class TrainJob:
         self.resume_command = resume  # what the user types to go on after a stop
         self.say("loading the models")
         t0 = time.perf_counter()
-        self.tr = build_train_rank(cfg, topo, group, mesh)
+        self.tr = tr = build_train_rank(cfg, topo, group, mesh)
         collector.settle()
         self.say(f"models loaded in {time.perf_counter() - t0:.1f} s")
+        self.checkpointer = Checkpointer(cfg.run_dir, group, topo.rank, topo.world_size, cfg.to_json(),
+                                         cfg.checkpoint.keep, policy=tr.policy, optimizer=tr.trainer.optimizer,
+                                         scaler=tr.trainer.scaler, peers=tr.client.snapshot)
         self.writer = None
         self.warnings: list[str] = []
+        self.resumed_from = self.rebuilt = ""  # the checkpoint loaded; rank 0: the warning that run.h5 was rebuilt
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
         self.step = 0  # the step under way (0: before the first), for the step of an error event
-        self.last_checkpoint = ""
         self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
         self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
 
@@ -82,38 +85,33 @@ class TrainJob:
             print_err(f"warning: {text}")
 
     def resume(self) -> int:
-        tr = self.tr
+        """Every train rank: the plan's checkpoint loaded (rank 0's choice, on every rank:
+        resume.agree_plan) and, on rank 0, run.h5 rebuilt from it if the plan says so."""
         for text in self.plan.warnings:
             self._warn(text)
-        found = self.plan.checkpoint  # rank 0's choice, on every rank (resume.agree_plan)
-        if found is None:
-            return 0
-        step, path = found
-        state = checkpoint.load(path, tr.policy, tr.trainer.optimizer, self.group)
-        tr.trainer.scaler.load_state_dict(state.scaler)
-        blob = checkpoint.read_rng(path, self.topo.rank)
-        if blob is not None:
-            determinism.restore_rng_state(blob)
-        self.resumed_from = self.last_checkpoint = path
-        self.say(f"resuming after step {step} from checkpoint {path}")
-        return step
+        resumed = self.checkpointer.load(
+            self.plan, lambda step, path: self.say(f"resuming after step {step} from checkpoint {path}"))
+        self.resumed_from, self.rebuilt = resumed.path, resumed.rebuilt
+        if resumed.rebuilt:
+            self._report_warning(resumed.rebuilt)  # before run.h5 is open: its event follows once it is
+        return resumed.step
 
     def open_run_file(self, start_step: int) -> None:
         from hpcnft.io.run_writer import RunFileWriter
         from hpcnft.io.runfile import EVAL_KEYS, reward_term_keys
 
         cfg, topo = self.cfg, self.topo
-        rebuilt = self.rebuild_run_file() if self.plan.rebuild_why else ""
         cols = term_columns(cfg)
         term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
                                      [t.name for t in cols["eval"]])
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         tuple(term_keys))
+        self.checkpointer.run_file = w  # its copy, RNG rows and event go with every checkpoint
         w.set_topology(topo.as_attrs())
         for text in self.warnings:  # the resume plan's: skipped checkpoints, changed keys
             w.event(start_step, "warning", text)
-        if rebuilt:
-            w.event(start_step, "warning", rebuilt)
+        if self.rebuilt:
+            w.event(start_step, "warning", self.rebuilt)
         if start_step:
             # An eval that ran only because the earlier run ended at start_step is not one an
             # uninterrupted run would have: it goes, so both runs hold the same rows.
@@ -133,7 +131,7 @@ class TrainJob:
         w.add_attempt({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start_step,
                        "slurm_job_id": topo.job_id or "", "restart_count": topo.restart_count,
                        "launcher": topo.launcher, "world_size": topo.world_size,
-                       "resumed_from": getattr(self, "resumed_from", "")})
+                       "resumed_from": self.resumed_from})
         w.event(start_step, "start", f"{topo.launcher} launch, world {topo.world_size}, train ranks "
                                      f"{topo.train_ranks}, reward ranks {topo.reward_ranks or 'colocated'}")
 
@@ -160,20 +158,6 @@ class TrainJob:
         if self.writer:
             self.writer.event(self.writer.last_step() if step is None else step, "warning", text)
 
-    def rebuild_run_file(self) -> str:
-        """Rank 0: set the unusable run.h5 aside (never deleted) and write it anew from the
-        resume checkpoint's copy; returns the warning, printed and logged here."""
-        from hpcnft.io import run_state
-
-        path = os.path.join(self.cfg.run_dir, "run.h5")
-        step, ckpt = self.plan.checkpoint
-        aside = run_state.set_aside(path, self.plan.aside_tag) if os.path.lexists(path) else ""
-        run_state.rebuild(path, ckpt)
-        text = (f"{path} {self.plan.rebuild_why}: rebuilt from checkpoint {ckpt} (rows up to step {step})"
-                + (f"; the old file is kept as {aside}" if aside else ""))
-        self._report_warning(text)  # before run.h5 is open: its event follows once it is
-        return text
-
     def warn_truncated_prompts(self, step: int) -> None:
         """Rank 0, once per start: how many prompts the text encoders will cut."""
         from hpcnft.algo.sampler import truncated_prompts
@@ -191,30 +175,6 @@ class TrainJob:
                 f"and are truncated: {detail}")
         self._report_warning(text, step)
 
-    def save_checkpoint(self, step: int) -> None:
-        cfg, tr, topo = self.cfg, self.tr, self.topo
-        try:
-            tmp = checkpoint.save(cfg.run_dir, step, tr.policy, tr.trainer.optimizer, self.group, topo.rank == 0,
-                                  topo.rank, determinism.capture_rng_state())
-            tr.client.snapshot(step)  # the reward rank's RNG state, into the same checkpoint
-            if self.group is not None:
-                dist.barrier(group=self.group)
-            if self.writer:
-                states = {r: checkpoint.read_rng(tmp, r) for r in range(topo.world_size)}
-                self.writer.write_rng(step, {r: b for r, b in states.items() if b is not None})
-                state = checkpoint.TrainState(step, tr.trainer.scaler.state_dict())
-                final_name = checkpoint.step_dir(cfg.run_dir, step)
-                final = checkpoint.commit(cfg.run_dir, step, state, cfg.to_json(), cfg.checkpoint.keep,
-                                          lambda p: self.writer.snapshot(p, (step, "checkpoint", final_name)))
-                self.writer.event(step, "checkpoint", final)
-                self.last_checkpoint = final
-        except BaseException:
-            if topo.rank == 0:  # a failed checkpoint leaves no .partial behind; older ones stay
-                checkpoint.discard_partial(cfg.run_dir, step)
-            raise
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
     def stop_requested(self) -> bool:
         """Every train rank's flag and the reward rank's, agreed at the end of an iteration."""
         local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)], device=self.topo.comm_device)
@@ -222,55 +182,72 @@ class TrainJob:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
         return bool(local.item())
 
-    def run(self) -> int:
-        cfg, tr, topo = self.cfg, self.tr, self.topo
-        start_step = self.resume()
-        self.step = start_step
-        if topo.rank == 0:
+    def start(self) -> int:
+        """Load the checkpoint (if any) and, on rank 0, open run.h5 and the trackers; the step
+        the run resumes after."""
+        cfg = self.cfg
+        start_step = self.step = self.resume()
+        if self.topo.rank == 0:
             self.open_run_file(start_step)
             self.warn_truncated_prompts(start_step)
             self.open_trackers(start_step)
             if start_step < cfg.steps:  # what the progress line's `reward` is
                 self.say(reward_header(cfg.reward.scale, training_terms(cfg)))
-        w = self.writer
         if cfg.eval.at_start and start_step == 0:
-            m = tr.evaluate()
-            if w:
-                w.append_metrics(0, m)
-                self.trackers.log_row(0, m)
+            self.log_row(0, self.tr.evaluate())
+        return start_step
+
+    def iterate(self, step: int):
+        """Every train rank: one iteration, its evaluation when one is due, its sample grid
+        when one is due; (metrics, grid or None)."""
+        cfg, tr = self.cfg, self.tr
+        metrics, ro = tr.iteration(step)
+        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
+            metrics.update(tr.evaluate())
+        every, n_grid = cfg.logging.sample_grid_every, cfg.logging.sample_grid_images
+        grid = tr.grid_images(step, ro.images, n_grid) if every and n_grid and \
+            (step % every == 0 or step == 1) else None  # every train rank takes part
+        return metrics, grid
+
+    def log_row(self, step: int, metrics: dict, grid=None) -> None:
+        """Rank 0: a step's metrics to run.h5 and the trackers, its grid to samples/."""
+        if self.writer:
+            self.writer.append_metrics(step, metrics)
+            self.trackers.log_row(step, metrics)
+            if grid is not None:
+                self.trackers.log_image(step, "samples", save_grid(self.cfg.run_dir, step, *grid))
+
+    def checkpoint_due(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or
+                    (step == cfg.steps and cfg.checkpoint.at_end))
+
+    def run(self) -> int:
+        cfg, tr = self.cfg, self.tr
+        start_step = self.start()
         t_begin = time.perf_counter()
         if start_step >= cfg.steps:  # run.h5 was rebuilt first (entry says it before loading otherwise)
             self.say(finished_line(cfg.run_dir, start_step))
         for step in range(start_step + 1, cfg.steps + 1):
             self.step = step
-            metrics, ro = tr.iteration(step)
-            if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
-                metrics.update(tr.evaluate())
-            every, n_grid = cfg.logging.sample_grid_every, cfg.logging.sample_grid_images
-            grid = tr.grid_images(step, ro.images, n_grid) if every and n_grid and \
-                (step % every == 0 or step == 1) else None  # every train rank takes part
-            if w:
-                w.append_metrics(step, metrics)
-                self.trackers.log_row(step, metrics)
-                if grid is not None:
-                    self.trackers.log_image(step, "samples", save_grid(cfg.run_dir, step, *grid))
+            metrics, grid = self.iterate(step)
+            self.log_row(step, metrics, grid)
+            if self.writer:
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
                 print(line, flush=True)
                 log.info(line)
             stop = self.stop_requested()
-            due = (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or \
-                (step == cfg.steps and cfg.checkpoint.at_end)
-            if due or stop:
-                self.save_checkpoint(step)
+            if self.checkpoint_due(step) or stop:
+                self.checkpointer.save(step)
             if stop and step < cfg.steps:
                 return self.preempted(step)
         tr.client.finish(cfg.steps)
-        if w:
-            w.event(cfg.steps, "done", f"finished {steps_text(cfg.steps)}")
+        if self.writer:
+            self.writer.event(cfg.steps, "done", f"finished {steps_text(cfg.steps)}")
         if start_step < cfg.steps:
             wall = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - t_begin))
             self.say(f"finished {steps_text(cfg.steps)} ({cfg.steps - start_step} in this start, {wall}); run file "
-                     f"{os.path.join(cfg.run_dir, 'run.h5')}; last checkpoint {self.last_checkpoint or 'none'}")
+                     f"{os.path.join(cfg.run_dir, 'run.h5')}; last checkpoint {self.checkpointer.last or 'none'}")
         return EXIT_OK
 
     def preempted(self, step: int) -> int:

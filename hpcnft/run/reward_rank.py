@@ -9,7 +9,7 @@ from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.distributed.reward_service import serve
-from hpcnft.io import checkpoint
+from hpcnft.io.checkpointer import restore_rank_rng, snapshot_rank_rng
 from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import log
 from hpcnft.run.resume import ResumePlan
@@ -23,14 +23,11 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
     collector.settle()
     for text in plan.warnings:
         log.warning(text)
-    found = plan.checkpoint  # the train ranks' checkpoint
-    blob = checkpoint.read_rng(found[1], topo.rank) if found else None
-    if blob is not None:
-        determinism.restore_rng_state(blob)
+    if plan.checkpoint is not None:  # the train ranks' checkpoint
+        restore_rank_rng(plan.checkpoint[1], topo.rank)
 
-    def snapshot(step: int) -> None:
-        with open(checkpoint.rng_path(checkpoint.partial_dir(cfg.run_dir, step), topo.rank), "wb") as f:
-            f.write(determinism.capture_rng_state())
+    def snapshot(step: int) -> None:  # into the checkpoint the train ranks are writing
+        snapshot_rank_rng(cfg.run_dir, step, topo.rank)
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
     stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag,
