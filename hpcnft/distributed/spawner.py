@@ -1,9 +1,11 @@
 """The local spawner: with no launcher in the environment, `hpcnft run` starts the layout's
-ranks itself, as new interpreters running `python -m hpcnft.run.rank`, passes signals on to
+ranks itself, as new interpreters running `python -m hpcnft.run.rank` (or, where no rank can
+use a GPU, forked from the spawner once it has imported their libraries), passes signals on to
 them, and decides the job's exit code; and what its ranks do about it (their process name,
-their end when the spawner dies). Standard library only: the spawner never imports torch."""
+their end when the spawner dies). Standard library only: a GPU job's spawner imports no torch."""
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -60,15 +62,92 @@ def end_with_parent(parent_pid: int, signum: int = signal.SIGHUP) -> bool:
     return True
 
 
+def torch_is_cpu_only() -> bool:
+    """Whether the installed torch is a CPU-only build ("+cpu" in its version), read from its
+    metadata without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch").endswith("+cpu")
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def ranks_can_fork(device: str) -> bool:
+    """Whether the local spawner may fork its ranks from itself (having imported their libraries)
+    instead of starting new interpreters: only when no rank can use a GPU (CUDA does not survive a
+    fork), known without importing torch: layout.device cpu, or a CPU-only torch. The caller runs
+    no torch operation before the fork (a GNU OpenMP pool started before a fork hangs the
+    children); a GPU job's spawner imports no torch at all."""
+    return device == "cpu" or (device == "auto" and torch_is_cpu_only())
+
+
+class ForkedRank:
+    """A rank forked from the spawner, which has imported what a rank imports, so the rank
+    starts without importing torch, diffusers and transformers again; `entry(argv)` is what
+    `python -m hpcnft.run.rank ARGV` runs. Polled and signalled as a Popen."""
+
+    def __init__(self, entry, argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...],
+                 close_fds: tuple[int, ...]):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns into the spawner's frames
+            self._run_rank(entry, argv, env, keep_fds, close_fds)
+        self.pid, self.returncode = pid, None
+
+    @staticmethod
+    def _run_rank(entry, argv, env, keep_fds, close_fds) -> None:
+        code = 1
+        try:
+            for fd in close_fds:
+                if fd not in keep_fds:
+                    os.close(fd)
+            for s in FORWARDED_SIGNALS:  # the spawner's handlers are not the rank's
+                signal.signal(s, signal.SIG_DFL)
+            preempt.catch_early(interrupt=True)  # until the rank's PreemptFlag takes over
+            os.environ.clear()
+            os.environ.update(env)
+            code = entry(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit 1
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                atexit._run_exitfuncs()  # what an interpreter's exit runs: libraries' handlers, logging
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = RANK_COMMAND,
-                rank0_fd: tuple[str, int] | None = None, resume_hint: str = "",
+                rank0_fd: tuple[str, int] | None = None, entry=None, resume_hint: str = "",
                 failure_claim=None) -> int:
     """Run `python -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
     `rank0_fd` (variable name, descriptor): an open file rank 0 inherits, its number in that
-    variable. Each rank is a new interpreter running `command` `argv`.
+    variable. With `entry` (run.rank's main), the ranks are forked from this process and run
+    `entry(argv)` (see ranks_can_fork), else each is a new interpreter running `command` `argv`.
 
     A first SIGINT (Ctrl-C) reaches every rank, which checkpoints at the end of its step and
     exits 130; a second one kills them at once, with `resume_hint` (how to resume) said.
@@ -86,7 +165,10 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             env.pop(rank0_fd[0], None)
         if rank == 0 and rank0_fd:
             env[rank0_fd[0]], fds = str(rank0_fd[1]), (rank0_fd[1],)
-        procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
+        if entry is not None:
+            procs.append(ForkedRank(entry, argv, env, fds, (rank0_fd[1],) if rank0_fd else ()))
+        else:
+            procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
 
     received: list[int] = []  # in order; the loop below says what they did
 

@@ -69,6 +69,66 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_de
     assert "rank 1 (train) failed: killed by SIGKILL" in err and "rank 0" not in err
 
 
+def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(capfd):
+    def entry(argv):
+        raise RuntimeError("boom in rank " + os.environ["RANK"])
+    assert spawn_local([], 3, role, entry=entry) == 1
+    err = capfd.readouterr().err
+    assert "RuntimeError: boom in rank" in err and "Traceback" in err
+
+
+def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
+    """atexit handlers a rank registers run when it ends (libraries close their files there)."""
+    def entry(argv):
+        import atexit
+
+        rank = os.environ["RANK"]
+        atexit.register(lambda: (tmp_path / f"closed-{rank}").write_text(rank))
+        return 0
+    assert spawn_local([], 3, role, entry=entry) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1", "closed-2"]
+
+
+def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
+    from importlib import metadata
+
+    from hpcnft.distributed import spawner
+
+    monkeypatch.setattr(metadata, "version", lambda name: "2.13.0+cpu")
+    assert spawner.ranks_can_fork("auto")  # a CPU-only torch
+    monkeypatch.setattr(metadata, "version", lambda name: "2.13.0+cu128")
+    assert not spawner.ranks_can_fork("auto")  # the ranks may take a GPU
+    assert not spawner.ranks_can_fork("cuda")
+    assert spawner.ranks_can_fork("cpu")
+
+
+@pytest.mark.parametrize("device,forked", [("cpu", True), ("cuda", False)])
+def test_a_cpu_jobs_spawner_forks_its_ranks_into_their_entry_a_gpu_jobs_imports_no_torch(tmp_path, device, forked):
+    """`hpcnft run` with no launcher, up to the moment it starts the ranks: a GPU job's spawner
+    has imported no torch (its ranks are new interpreters running hpcnft.run.rank); a CPU job's
+    has imported the ranks' libraries, and forks ranks that enter hpcnft.run.rank's main."""
+    probe = ("import json, sys\n"
+             "from hpcnft.distributed import spawner\n"
+             "def record(argv, world, role_of, entry=None, **kw):\n"
+             "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world,\n"
+             "                      'entry': entry and f'{entry.__module__}.{entry.__name__}',\n"
+             "                      'command': list(kw.get('command', spawner.RANK_COMMAND))}))\n"
+             "    return 0\n"
+             "spawner.spawn_local = record\n"
+             "from hpcnft.cli.main import main\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HPCNFT_LAUNCHER")}
+    run_dir = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-c", probe, "run", "tiny", "--run-dir", run_dir, "--set",
+                        f"layout.device={device}"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.splitlines()[-1])
+    assert seen == {"torch": forked, "argv": ["tiny", "--run-dir", run_dir, "--set", f"layout.device={device}"],
+                    "world": 3, "entry": "hpcnft.run.rank.main" if forked else None,
+                    "command": [sys.executable, "-m", "hpcnft.run.rank"]}
+
+
 def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(capfd):
     """SIGTERM to the spawner, passed on to ranks that have no handler yet: nothing was saved,
     nothing failed: exit 75 saying so, no rank blamed."""
@@ -153,25 +213,3 @@ def test_the_rank_that_claimed_the_failure_is_named_not_the_first_to_exit(capfd,
     assert spawn(script, failure_claim=claim) == 1
     err = capfd.readouterr().err
     assert err == "hpcnft: rank 2 (reward) failed; stopping the other ranks\n"
-
-
-def test_the_spawner_imports_no_torch_and_starts_the_ranks_into_their_entry(tmp_path):
-    """`hpcnft run` with no launcher, up to the moment it starts the ranks: torch is not
-    imported (the ranks load it), and each rank runs hpcnft.run.rank, not the command line."""
-    probe = ("import json, sys\n"
-             "from hpcnft.distributed import spawner\n"
-             "def record(argv, world, role_of, **kw):\n"
-             "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world,\n"
-             "                      'command': list(kw.get('command', spawner.RANK_COMMAND))}))\n"
-             "    return 0\n"
-             "spawner.spawn_local = record\n"
-             "from hpcnft.cli.main import main\n"
-             "sys.exit(main(sys.argv[1:]))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI", "TORCHELASTIC_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "HPCNFT_LAUNCHER")}
-    r = subprocess.run([sys.executable, "-c", probe, "run", "tiny", "--run-dir", str(tmp_path / "run"), "--set",
-                        "optim.lr=1e-4"], capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
-    seen = json.loads(r.stdout.splitlines()[-1])
-    assert seen == {"torch": False, "argv": ["tiny", "--run-dir", str(tmp_path / "run"), "--set", "optim.lr=1e-4"],
-                    "world": 3, "command": [sys.executable, "-m", "hpcnft.run.rank"]}
