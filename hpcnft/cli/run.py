@@ -13,7 +13,7 @@ import sys
 
 from hpcnft.common import collector
 from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, UsageError
-from hpcnft.common.validation import local_world_size
+from hpcnft.distributed.config import local_world_size
 from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, finished_line, lock_run_dir,
                                resume_command, tiny_models_needed)
 
@@ -23,7 +23,7 @@ def add_arguments(name: str, p) -> None:
         p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, pickscore_tiny/ and the "
                                    "reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
-    from hpcnft.common.config import recipe_names
+    from hpcnft.common.recipe_files import recipe_names
 
     p.add_argument("recipe", nargs="?", default="tiny",
                    help=f"recipe name ({', '.join(recipe_names())}; default tiny) or a TOML file")
@@ -57,7 +57,7 @@ def main(name: str, args) -> int:
 
 
 def start(args) -> int:
-    from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.algo.root_config import ConfigError, load_config
     from hpcnft.distributed.detect import detect
     from hpcnft.distributed.launch import LaunchError
     from hpcnft.run.estimate import print_startup_notes

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import first_line
+from hpcnft.common.errors import ConfigError, first_line
 from hpcnft.distributed import netif, preempt
 from hpcnft.distributed.launch import LaunchInfo
 
@@ -85,7 +84,7 @@ def roles(world_size: int, reward_ranks: int) -> tuple[list[int], list[int]]:
     return list(range(n_train)), list(range(n_train, world_size))
 
 
-def pick_device(cfg: Config, local_rank: int) -> torch.device:
+def pick_device(cfg, local_rank: int) -> torch.device:
     want = cfg.layout.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -111,7 +110,7 @@ def rendezvous_error(e: BaseException, info: LaunchInfo, route: str = "") -> Ren
     return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}{via}: {first}")
 
 
-def resolve_backend(cfg: Config, device: torch.device) -> str:
+def resolve_backend(cfg, device: torch.device) -> str:
     """The collective backend: layout.backend, or NCCL on GPUs and gloo on CPUs. Refuses
     layout.emulate_hosts where it cannot apply (ConfigError)."""
     backend = cfg.layout.backend if cfg.layout.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -128,7 +127,7 @@ def emulate_host(rank: int, env=os.environ) -> None:
     env["NCCL_HOSTID"] = f"hpcnft-emulated-host-{rank}"
 
 
-def setup(cfg: Config, info: LaunchInfo):
+def setup(cfg, info: LaunchInfo):
     """Initialise torch.distributed; returns (topology, train group, train mesh). A rendezvous
     that fails (the port taken, the master unreachable) raises RendezvousError with one line."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -211,7 +210,7 @@ def end_with_parent(parent_pid: int, signum: int = signal.SIGHUP) -> bool:
     return True
 
 
-def ranks_can_fork(cfg: Config) -> bool:
+def ranks_can_fork(cfg) -> bool:
     """Whether the local spawner may fork its ranks from itself instead of starting new
     interpreters: only when no rank can use a GPU (asking whether CUDA is there initialises it,
     and CUDA does not survive a fork) and nothing has run a torch operation in the spawner yet

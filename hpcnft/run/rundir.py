@@ -21,7 +21,7 @@ def check_input(cfg, world_size: int | None = None) -> None:
     may be writing them); the layout's against `world_size` when the job's size is known."""
     from hpcnft.algo.prompts import PromptFileError, read_prompt_file
     from hpcnft.common.errors import ConfigError
-    from hpcnft.common.validation import check_layout
+    from hpcnft.distributed.config import check_layout
 
     if world_size is not None:
         try:
@@ -117,8 +117,8 @@ def check_existing_run(cfg) -> int | None:
     its run.h5 must be usable or rebuildable from a checkpoint (the train job rebuilds it).
     Returns the step a finished run ended at (its newest checkpoint is at cfg.steps or later,
     and its run.h5 needs no rebuilding), else None: then there is something to run."""
-    from hpcnft.common.config import ConfigError
-    from hpcnft.common.config_changes import differing_keys
+    from hpcnft.common.errors import ConfigError
+    from hpcnft.run.config_changes import differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
 
     try:

@@ -18,7 +18,7 @@ from hpcnft.algo import nft
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
 from hpcnft.rewards.pickscore import PickScoreScorer
 from hpcnft.algo.sampler import PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.io.runfile import read_run
 from hpcnft.models.loading import base_family, load_pickscore, resolve_model_paths
 

@@ -22,7 +22,7 @@ from hpcnft.algo import nft
 from hpcnft.models.families.sd3 import dit_timestep
 from hpcnft.algo.sampler import Conditioning, null_autocast, sigma_grid
 from hpcnft.algo.solvers import sample
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 
 
 # =============================================================================================

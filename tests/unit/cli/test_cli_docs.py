@@ -8,7 +8,7 @@ import re
 import pytest
 
 from hpcnft.cli.main import COMMANDS, main
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.common.recipe_files import recipe_names
 from hpcnft.common.validation import flatten
 from hpcnft.io.runfile import ALL_KEYS

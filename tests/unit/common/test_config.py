@@ -5,8 +5,10 @@ import os
 
 import pytest
 
-from hpcnft.common.config import ConfigError, load_config, parse_set
-from hpcnft.common.config_changes import differing_keys
+from hpcnft.algo.root_config import ConfigError, load_config
+
+from hpcnft.common.config import parse_set
+from hpcnft.run.config_changes import differing_keys
 from hpcnft.common.recipe_files import recipe_names
 
 ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -264,7 +266,7 @@ def test_trackers_may_change_on_resume():
 
 
 def test_the_layout_is_checked_against_the_world_size():
-    from hpcnft.common.validation import check_layout, local_world_size
+    from hpcnft.distributed.config import check_layout, local_world_size
 
     cfg = load_config("tiny")  # 16 samples a step
     assert local_world_size(cfg) == 3

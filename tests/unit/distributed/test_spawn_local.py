@@ -103,7 +103,7 @@ def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
 def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
     import torch
 
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
     from hpcnft.distributed.groups import ranks_can_fork
 
     monkeypatch.setattr(torch.version, "cuda", None)
@@ -122,7 +122,7 @@ def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch
     import argparse
 
     from hpcnft.cli import run as cli_run
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
     from hpcnft.distributed import groups
 
     seen = {}

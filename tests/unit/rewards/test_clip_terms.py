@@ -13,7 +13,9 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hpcnft.common.config import Config, RewardTermConfig
+from hpcnft.algo.root_config import Config
+
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.models.folders import ModelError
 
 CPU = torch.device("cpu")
