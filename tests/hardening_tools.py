@@ -585,8 +585,8 @@ def run_with_checkpoints(cfg, steps=(1, 2)) -> dict[int, str]:
 
 def writer_made_run(path: str, steps: int = 4) -> None:
     """A run file laid out by hpcnft's own writer exactly as a run writes it."""
-    from hpcnft.common import determinism
     from hpcnft.algo.root_config import load_config
+    from hpcnft.common import determinism
     from hpcnft.io import runfile
     from hpcnft.io.run_writer import RunFileWriter
 

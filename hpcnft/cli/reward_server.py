@@ -171,8 +171,8 @@ def write_port_file(path: str, port: int) -> None:
 def main(name: str, args) -> int:
     import torch
 
-    from hpcnft.common import determinism
     from hpcnft.algo.root_config import ConfigError, load_config
+    from hpcnft.common import determinism
     from hpcnft.rewards.http_server import ScoringServer
 
     limits = server_limits(args)

@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import ModelError
 from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.clip_l import TINY_CLIP_L, clip_l_folder, load_clip_l, projected, term_key
+from hpcnft.rewards.config import RewardTermConfig
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 AESTHETIC_TINY = "aesthetic_tiny"

@@ -14,10 +14,10 @@ import shutil
 
 import torch
 
-from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
 from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
+from hpcnft.rewards.config import RewardTermConfig
 
 CLIP_L_TINY = "clip_l_tiny"
 CLIP_MODEL_REQUIRED = ("config.json",)

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.clip_l import clip_l_folder, load_clip_l
+from hpcnft.rewards.config import RewardTermConfig
 
 CLIP_TEXT_TOKENS = 77
 LOGIT_DIVISOR = 100.0

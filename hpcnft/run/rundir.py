@@ -118,8 +118,8 @@ def check_existing_run(cfg) -> int | None:
     Returns the step a finished run ended at (its newest checkpoint is at cfg.steps or later,
     and its run.h5 needs no rebuilding), else None: then there is something to run."""
     from hpcnft.common.errors import ConfigError
-    from hpcnft.run.config_changes import differing_keys
     from hpcnft.io.runfile import RunFileError, read_run
+    from hpcnft.run.config_changes import differing_keys
 
     try:
         resumable, finished = False, None

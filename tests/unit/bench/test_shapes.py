@@ -4,10 +4,10 @@ package's FLUX family (CPU)."""
 import pytest
 import torch
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit
 from hpcnft.bench.stack import bench_config
-from hpcnft.algo.root_config import load_config
 from hpcnft.common.errors import UsageError
 from hpcnft.perf.config import SD3_ONLY_LEVERS
 

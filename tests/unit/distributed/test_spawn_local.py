@@ -121,8 +121,8 @@ def test_the_spawner_forks_its_ranks_unless_it_built_the_tiny_models(monkeypatch
     their libraries."""
     import argparse
 
-    from hpcnft.cli import run as cli_run
     from hpcnft.algo.root_config import load_config
+    from hpcnft.cli import run as cli_run
     from hpcnft.distributed import groups
 
     seen = {}

@@ -15,8 +15,8 @@ from torch import nn
 
 from hpcnft.algo.root_config import Config
 
-from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.models.folders import ModelError
+from hpcnft.rewards.config import RewardTermConfig
 
 CPU = torch.device("cpu")
 VIT_L_MEAN = [0.48145466, 0.4578275, 0.40821073]

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from hardening_tools import tiny_policy
-from hpcnft.common import determinism
 from hpcnft.algo.root_config import ConfigError, load_config
+from hpcnft.common import determinism
 from hpcnft.io import checkpoint
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
