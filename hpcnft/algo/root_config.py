@@ -8,14 +8,14 @@ The machinery (TOML, `--set`, the per-key rules) is hpcnft.common.config's and
 hpcnft.common.validation's; each section, with the vocabulary its choices come from, is beside
 its owner:
 
-  [models]                  hpcnft.models.config
-  [data] [checkpoint] [logging]  hpcnft.io.config
-  [rollout] [train] [optim] [ema] [eval]  hpcnft.algo.config
-  [nft]                     hpcnft.algo.nft_config
-  [reward] [[reward.terms]]  hpcnft.rewards.config
-  [layout] [preempt]        hpcnft.distributed.config
-  [determinism]             hpcnft.common.config
-  [perf]                    hpcnft.perf.config
+  [models]                                   hpcnft.models.config
+  [data] [checkpoint] [logging]              hpcnft.io.config
+  [rollout] [train] [optim] [ema] [eval]     hpcnft.algo.config
+  [nft]                                      hpcnft.algo.nft_config
+  [reward] [[reward.terms]]                  hpcnft.rewards.config
+  [layout] [preempt]                         hpcnft.distributed.config
+  [determinism]                              hpcnft.common.config
+  [perf]                                     hpcnft.perf.config
 """
 from __future__ import annotations
 
