@@ -83,9 +83,10 @@ class OptimConfig:
 class EMAConfig:
     ramp: float = setting(0.001, "old policy θ_old ← δ θ_old + (1 − δ) θ with δ = min(ramp · (k − flat_steps), "
                                  "max) after optimizer step k", bound=">= 0")
-    max: float = setting(0.5, "the old policy's largest decay δ", bound="[0, 1]")
+    max: float = setting(0.5, "the old policy's largest decay δ", bound=(">= 0", "[0, 1]"))
     flat_steps: int = setting(0, "steps of decay `ema.flat_decay` before the ramp", bound=">= 0")
-    flat_decay: float = setting(0.0, "the old policy's decay for the first `ema.flat_steps` steps", bound="[0, 1]")
+    flat_decay: float = setting(0.0, "the old policy's decay for the first `ema.flat_steps` steps",
+                                bound=(">= 0", "[0, 1]"))
 
 
 @dataclass

@@ -26,14 +26,16 @@ from hpcnft.common.recipe_files import read_recipe
 BOUNDS = ("> 0", ">= 0", "[0, 1]")
 
 
-def setting(default, doc: str, *, choices: typing.Iterable[str] = (), bound: str = "", at_most: float | None = None,
-            infinite: bool = False):
+def setting(default, doc: str, *, choices: typing.Iterable[str] = (), bound: str | tuple[str, ...] = "",
+            at_most: float | None = None, infinite: bool = False):
     """A config key: `default`; `doc`, its meaning in one line (markdown); the value one of
-    `choices`, within `bound` ("> 0", ">= 0" or "[0, 1]", and then finite unless `infinite`) and
-    at most `at_most`."""
-    if bound and bound not in BOUNDS:
-        raise ValueError(f"bound {bound!r} is not one of {BOUNDS}")
-    meta = {"doc": doc, "choices": tuple(choices), "bound": bound, "at_most": at_most, "infinite": infinite}
+    `choices`, within `bound` ("> 0", ">= 0" or "[0, 1]", or several, checked in that order;
+    then finite unless `infinite`) and at most `at_most`."""
+    bounds = (bound,) if isinstance(bound, str) else tuple(bound)
+    bounds = tuple(b for b in bounds if b)
+    if any(b not in BOUNDS for b in bounds):
+        raise ValueError(f"bound {bound!r} is not within {BOUNDS}")
+    meta = {"doc": doc, "choices": tuple(choices), "bounds": bounds, "at_most": at_most, "infinite": infinite}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -190,9 +192,10 @@ def allowed(f: dataclasses.Field) -> str:
     """A key's rule in words: its choices, its bound, its upper limit."""
     m = f.metadata
     parts = [", ".join(f"`{c}`" for c in m.get("choices", ()))]
-    bound = m.get("bound", "")
-    if bound:
+    bounds = m.get("bounds", ())
+    if bounds:
         finite = isinstance(f.default, float) and not m.get("infinite")
+        bound = bounds[-1]  # the narrowest
         parts.append(("within " if bound.startswith("[") else "") + bound + (", finite" if finite else ""))
     if m.get("at_most") is not None:
         parts.append(f"<= {m['at_most']:g}")

@@ -12,6 +12,10 @@ import math
 from hpcnft.common.errors import ConfigError
 
 
+BOUND_CHECKS = (("> 0", lambda v: v > 0, "> 0"), (">= 0", lambda v: v >= 0, ">= 0"),
+                ("[0, 1]", lambda v: 0 <= v <= 1, "within [0, 1]"))
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:
     out = {}
     for k, v in d.items():
@@ -47,18 +51,14 @@ def _check_rules(keys: list) -> None:
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
-    ranged = [(key, f.metadata["bound"], value) for key, f, value in keys if f.metadata.get("bound")]
     for key, f, value in keys:
-        if (f.metadata.get("bound") and isinstance(value, float) and not math.isfinite(value)
+        if (f.metadata.get("bounds") and isinstance(value, float) and not math.isfinite(value)
                 and not f.metadata.get("infinite")):
             raise ConfigError(f"{key}: must be a finite number, got {value!r}")
-    for key, bound, value in ranged:
-        if bound == "> 0" and not value > 0:
-            raise ConfigError(f"{key}: must be > 0, got {value!r}")
-        if bound == ">= 0" and not value >= 0:
-            raise ConfigError(f"{key}: must be >= 0, got {value!r}")
-        if bound == "[0, 1]" and not 0 <= value <= 1:
-            raise ConfigError(f"{key}: must be within [0, 1], got {value!r}")
+    for bound, holds, words in BOUND_CHECKS:  # every key's "> 0" first, then ">= 0", then "[0, 1]"
+        for key, f, value in keys:
+            if bound in f.metadata.get("bounds", ()) and not holds(value):
+                raise ConfigError(f"{key}: must be {words}, got {value!r}")
     for key, f, value in keys:
         limit = f.metadata.get("at_most")
         if limit is not None:
