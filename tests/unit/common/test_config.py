@@ -224,6 +224,8 @@ def test_a_nasty_prompt_path_is_refused_in_one_line_and_runs_nothing(tmp_path, m
     ("layout.timeout_s=1e9", "layout.timeout_s: must be <= 86400"),
     ("rollout.height=16384", "rollout.height: must be <= 8192"),
     ("rollout.batch_size=99999", "rollout.batch_size: must be <= 4096"),
+    ("ema.max=-0.5", "ema.max: must be >= 0"),
+    ("ema.max=1.5", "ema.max: must be within .0, 1., got 1.5"),
     ("run_dir=\"a\\u0000b\"", "run_dir: must not contain NUL"),
     ("data.eval_prompts=\"a\\nb\"", "data.eval_prompts: must not contain NUL or newline"),
     ("steps=\"3; rm -rf /\"", "steps: expected an integer"),
