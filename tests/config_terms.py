@@ -3,7 +3,7 @@ retries, token_env) a resume may change, and configs made of term tables as `--s
 gives them."""
 from __future__ import annotations
 
-from hpcnft.common.config import Config, load_config
+from hpcnft.algo.root_config import Config, load_config
 
 JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
 

@@ -384,7 +384,7 @@ def judge(what: str, rc, out: str, err: str, tb, allowed=(0, 2)) -> str | None:
 
 def resume_path(case_dir: str, config: dict) -> list[str]:
     """The resume path's view of a run dir holding the damaged run.h5."""
-    from hpcnft.common.config import config_from_dict
+    from hpcnft.algo.root_config import config_from_dict
     from hpcnft.common.errors import UsageError
     from hpcnft.io import runfile
     from hpcnft.io.run_writer import RunFileWriter
@@ -585,8 +585,8 @@ def run_with_checkpoints(cfg, steps=(1, 2)) -> dict[int, str]:
 
 def writer_made_run(path: str, steps: int = 4) -> None:
     """A run file laid out by hpcnft's own writer exactly as a run writes it."""
+    from hpcnft.algo.root_config import load_config
     from hpcnft.common import determinism
-    from hpcnft.common.config import load_config
     from hpcnft.io import runfile
     from hpcnft.io.run_writer import RunFileWriter
 

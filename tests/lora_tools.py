@@ -34,7 +34,7 @@ def tiny_policy(**perf):
     set, in eval mode."""
     import types
 
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
 
     cfg = load_config("tiny", [f"perf.{k}={str(v).lower()}" for k, v in perf.items()])
     return types.SimpleNamespace(cfg=cfg, transformer=tiny_lora_dit(cfg).eval())
@@ -72,7 +72,7 @@ def gpu_policy(compiled: bool, *overrides: str):
     """tiny_policy's counterpart on the GPU: fp16 base, on cuda, the blocks compiled if asked."""
     import types
 
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
 
     cfg = load_config("tiny", list(overrides))
     tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to("cuda")

@@ -40,10 +40,10 @@ def main(size: int, cases: list[tuple[int, int]]) -> list[dict]:
     from hpcnft.algo import nft
     from hpcnft.algo.pairs import PairBatch
     from hpcnft.algo.policy import Policy
+    from hpcnft.algo.root_config import load_config
     from hpcnft.algo.sampler import sigma_grid
     from hpcnft.algo.trainer import Trainer
     from hpcnft.bench.shapes import scheduler, world1_mesh
-    from hpcnft.common.config import load_config
     from hpcnft.models.tiny import TINY_TRANSFORMER
 
     torch.set_num_threads(1)

@@ -13,9 +13,9 @@ from hpcnft.algo import nft
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
+from hpcnft.algo.root_config import Config
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise
 from hpcnft.algo.solvers import sample
-from hpcnft.common.config import Config
 from hpcnft.distributed.groups import Topology
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT
 from hpcnft.models.families import family_of

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hpcnft.algo.nft_config import ADV_MODES
 from hpcnft.common.determinism import stable_hash
 
 WEIGHT_FLOOR = 1e-5
@@ -36,9 +37,6 @@ def advantages(rewards: torch.Tensor, group_size: int, std_estimator: str = "unb
         index = torch.tensor(members)
         out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
     return out
-
-
-ADV_MODES = ("all", "positive_only", "negative_only", "one_only", "binary")
 
 
 def optimality_r(adv: torch.Tensor, clip_max: float, mode: str = "all") -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcnft.algo import nft
-from hpcnft.common.config import Config
+from hpcnft.algo.root_config import Config
 from hpcnft.common.determinism import stable_hash
 
 

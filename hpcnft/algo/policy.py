@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from hpcnft.common.config import Config
+from hpcnft.algo.root_config import Config
 from hpcnft.common.determinism import stable_hash
 from hpcnft.common.tensors import local_shard
 from hpcnft.models.families import family_of

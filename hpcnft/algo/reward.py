@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from hpcnft.common.config import Config, RewardTermConfig
+from hpcnft.algo.root_config import Config
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.registry import job_terms, load_term, training_terms
 
 

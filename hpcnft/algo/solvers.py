@@ -6,6 +6,7 @@ import torch
 from hpcnft.algo.dpm_solver import dpm2_sample
 from hpcnft.algo.sampler import Conditioning, euler_sample
 
+# one sampler per name of rollout.solver's choices, hpcnft.algo.config.SOLVERS (a test holds the two)
 SOLVERS = {"euler": euler_sample, "dpm2": dpm2_sample}
 
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from hpcnft.algo import nft
 from hpcnft.algo.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_pairs
 from hpcnft.algo.policy import Policy
-from hpcnft.common.config import Config
+from hpcnft.algo.root_config import Config
 from hpcnft.distributed.groups import collective_device
 from hpcnft.perf import levers
 from hpcnft.perf.mfu import span

@@ -67,7 +67,7 @@ def CUDA_ONLY_KEYS():  # noqa: N802 - a constant, read lazily so the CLI stays l
 
 def family_only_keys(S: Shapes) -> tuple:
     """The perf keys the shapes' model family cannot take (validation.SD3_ONLY_LEVERS off SD3)."""
-    from hpcnft.common.validation import SD3_ONLY_LEVERS
+    from hpcnft.perf.config import SD3_ONLY_LEVERS
 
     return () if S.family == "sd3" else tuple(f"perf.{k}" for k in SD3_ONLY_LEVERS)
 

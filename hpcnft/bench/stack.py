@@ -44,7 +44,7 @@ def bench_config(S: Shapes, dev, overrides: dict):
     """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides.
     The shapes set the precision on a GPU (fp32 on a CPU), checkpointing and the LoRA targets, as
     the eager stack uses them."""
-    from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.algo.root_config import ConfigError, load_config
 
     base = {
         "rollout.height": S.size, "rollout.width": S.size, "rollout.prompts_per_step": S.prompts,

@@ -119,7 +119,7 @@ def main(name: str, args) -> int:
 
     from safetensors import SafetensorError
 
-    from hpcnft.common.config import config_from_dict
+    from hpcnft.algo.root_config import config_from_dict
     from hpcnft.io.checkpoint import read_json
 
     cfg = config_from_dict(read_json(path, "config.json"))

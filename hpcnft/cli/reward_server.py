@@ -20,7 +20,7 @@ import sys
 import threading
 
 from hpcnft.common.errors import UsageError
-from hpcnft.common.validation import REWARD_TOKEN_ENV, TERM_KINDS
+from hpcnft.rewards.config import REWARD_TOKEN_ENV, TERM_KINDS
 from hpcnft.rewards.shared_secret import TokenError, listening_refusal, server_token
 
 SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
@@ -112,7 +112,7 @@ def served_terms(names: list[str], cfg) -> list:
     defaults. UsageError for an unknown name or a remote term."""
     from dataclasses import replace
 
-    from hpcnft.common.config import RewardTermConfig
+    from hpcnft.rewards.config import RewardTermConfig
     from hpcnft.rewards.registry import job_terms
 
     configured = {t.name: t for t in job_terms(cfg)}
@@ -171,8 +171,8 @@ def write_port_file(path: str, port: int) -> None:
 def main(name: str, args) -> int:
     import torch
 
+    from hpcnft.algo.root_config import ConfigError, load_config
     from hpcnft.common import determinism
-    from hpcnft.common.config import ConfigError, load_config
     from hpcnft.rewards.http_server import ScoringServer
 
     limits = server_limits(args)

@@ -13,7 +13,7 @@ def add_arguments(name: str, p) -> None:
         p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, pickscore_tiny/ and the "
                                    "reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
-    from hpcnft.common.config import recipe_names
+    from hpcnft.common.recipe_files import recipe_names
 
     p.add_argument("recipe", nargs="?", default="tiny",
                    help=f"recipe name ({', '.join(recipe_names())}; default tiny) or a TOML file")

@@ -1,1 +1,1 @@
-"""The bottom layer: config, errors and exit codes, determinism, small torch helpers."""
+"""The bottom layer: the config machinery (TOML recipes, `--set`, per-key rules), errors and exit codes, determinism, small torch helpers."""

@@ -1,254 +1,52 @@
-"""The config: a dataclass tree, TOML recipes and `--set key=value` overrides, validated.
+"""The config machinery: sections as dataclasses whose keys are `setting`s, TOML recipes and
+`--set key=value` overrides applied onto a root of sections, each key documented once.
 
-A recipe (read by hpcnft.common.recipe_files) is a TOML file whose tables mirror the dataclasses
-below (`[optim] lr = 3e-4`).
-`--set optim.lr=1e-3` overrides one value; the value is read as a TOML literal, so
-`--set layout.train_ranks=1`, `--set train.finetune="full"` and `--set train.finetune=full` work.
-Unknown keys, wrong types and out-of-range values are refused with a message naming the key.
+A section lives beside its owner (`hpcnft/<package>/config.py`: `[rollout]`, `[nft]` ... in algo,
+`[perf]` in perf, `[layout]` in distributed, ...); the root that assembles them, with
+`load_config`, is `hpcnft.algo.root_config`. A recipe (read by hpcnft.common.recipe_files) is a
+TOML file whose tables mirror the sections (`[optim] lr = 3e-4`). `--set optim.lr=1e-3`
+overrides one value; the value is read as a TOML literal, so `--set layout.train_ranks=1`,
+`--set train.finetune="full"` and `--set train.finetune=full` work. Unknown keys, wrong types and
+out-of-range values are refused with a message naming the key (hpcnft.common.validation).
+
+Each key is declared once, with `setting(default, doc, rule...)`: its default, its one-line
+meaning (docs/configuration.md's table is made from it: `reference_table`) and the rule its
+value keeps (`choices`, the owner's vocabulary; `bound`; `at_most`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import tomllib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from hpcnft.common.errors import ConfigError
-# recipe_names stays importable from here (hpcnft run's help lists the built-in recipes)
-from hpcnft.common.recipe_files import read_recipe, recipe_names  # noqa: F401
-from hpcnft.common.validation import REWARD_TOKEN_ENV, validate
+from hpcnft.common.recipe_files import read_recipe
+
+BOUNDS = ("> 0", ">= 0", "[0, 1]")
 
 
-@dataclass
-class ModelsConfig:
-    # The base model: "sd3" (SD3.5-M/-L, sd3_dir) or "flux" (FLUX.1-dev, flux_dir). An empty
-    # folder means the tiny model, built into tiny_cache on first use.
-    family: str = "sd3"
-    sd3_dir: str = ""
-    flux_dir: str = ""
-    pickscore_dir: str = ""
-    pickscore_processor_dir: str = ""  # defaults to pickscore_dir
-    tiny_cache: str = ""  # defaults to $HPCNFT_CACHE/tiny-models or ~/.cache/hpcnft/tiny-models
+def setting(default, doc: str, *, choices: typing.Iterable[str] = (), bound: str | tuple[str, ...] = "",
+            at_most: float | None = None, infinite: bool = False):
+    """A config key: `default`; `doc`, its meaning in one line (markdown); the value one of
+    `choices`, within `bound` ("> 0", ">= 0" or "[0, 1]", or several, checked in that order;
+    then finite unless `infinite`) and at most `at_most`."""
+    bounds = (bound,) if isinstance(bound, str) else tuple(bound)
+    bounds = tuple(b for b in bounds if b)
+    if any(b not in BOUNDS for b in bounds):
+        raise ValueError(f"bound {bound!r} is not within {BOUNDS}")
+    meta = {"doc": doc, "choices": tuple(choices), "bounds": bounds, "at_most": at_most, "infinite": infinite}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-@dataclass
-class DataConfig:
-    train_prompts: str = "builtin:tiny_train_prompts.txt"
-    eval_prompts: str = "builtin:tiny_eval_prompts.txt"
-    shuffle: bool = False  # seeded shuffle per pass over the file (recipe: file order)
+def section(cls):
+    """A table of settings of the root (`[optim]`): the section class, with its defaults."""
+    return field(default_factory=cls)
 
 
-@dataclass
-class RolloutConfig:
-    prompts_per_step: int = 8  # P
-    samples_per_prompt: int = 8  # G
-    num_steps: int = 10
-    guidance_scale: float = 1.0  # 1.0 = no CFG
-    height: int = 512
-    width: int = 512
-    max_sequence_length: int = 256  # T5 tokens
-    batch_size: int = 8  # samples per DiT forward; also the chunk sent to the reward rank
-    seed: int = 42
-    uint8_rounding: str = "round"  # "round" (official) or "truncate" (miles)
-    solver: str = "euler"  # "euler" (miles) or "dpm2": DPM-Solver++ 2M, deterministic (official)
-    # The DiT's timestep input while sampling (rollout and evaluation): long(1000 sigma), the
-    # official pipeline's, instead of the float 1000 sigma. Training forwards keep the float.
-    integer_timesteps: bool = False
-
-
-@dataclass
-class RewardTermConfig:
-    """One reward term (`[[reward.terms]]` in a recipe). Its settings by kind: model_dir (a model
-    folder; empty = the term's tiny model), processor_dir, weights (a checkpoint file the kind
-    needs beside its folder), url, timeout_s, retries and token_env (remote)."""
-    kind: str = "pickscore"
-    name: str = ""  # the metric name (rollout/reward/<name>/*, eval/<name>_*); defaults to kind
-    weight: float = 1.0
-    eval_only: bool = False  # scored at evaluation only, not part of the training reward
-    model_dir: str = ""
-    processor_dir: str = ""
-    weights: str = ""
-    url: str = ""
-    timeout_s: float = 60.0
-    retries: int = 2
-    token_env: str = REWARD_TOKEN_ENV  # the environment variable holding the server's shared secret; "": none
-
-
-@dataclass
-class RewardConfig:
-    # The training reward is scale * sum of weight * term over the training terms; -1 turns the
-    # run into a control that should lower it. eval/<term>_* always report the plain term.
-    scale: float = 1.0
-    # Empty: PickScore alone, from models.pickscore_dir (the terms are then exactly today's).
-    terms: list[RewardTermConfig] = field(default_factory=list)
-
-
-@dataclass
-class NFTConfig:
-    beta: float = 1.0
-    adv_clip_max: float = 5.0
-    timestep_fraction: float = 0.99
-    # "first" K sigmas (miles) or "random_per_sample": K of the T drawn per sample (official;
-    # "drop_random" is its older name, the same draws)
-    timestep_strategy: str = "first"
-    shuffle_timesteps: bool = True
-    adaptive_weight: bool = True
-    std_estimator: str = "unbiased"  # "unbiased" (miles, N-1) or "population" (official, N)
-    kl_beta: float = 0.0  # official: 1e-4 against the frozen base model
-    group_by: str = "position"  # advantage groups: "position" (G consecutive samples) or "prompt" (its text)
-    # "all" (miles), or the official variants applied to the clipped advantage: "positive_only",
-    # "negative_only", "one_only" (1 where A > 0, else 0), "binary" (sign of A)
-    adv_mode: str = "all"
-
-
-@dataclass
-class TrainConfig:
-    finetune: str = "lora"  # "lora" or "full"
-    lora_rank: int = 32
-    lora_alpha: int = 64
-    lora_targets: list[str] = field(default_factory=lambda: [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"])
-    micro_batch: int = 4  # (sample, sigma) pairs per forward/backward
-    precision: str = "fp16"  # "fp32", "fp16" (autocast + grad scaler) or "bf16" (autocast)
-    grad_scaler_init: float = 65536.0
-    grad_checkpointing: bool = False
-    seed: int = 1234  # NFT seeds (sigma shuffle, corruption noise, LoRA init)
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 3e-4
-    weight_decay: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-
-
-@dataclass
-class EMAConfig:
-    # old policy: theta_old <- d*theta_old + (1-d)*theta, d = min(ramp*k, max) after k>flat steps
-    ramp: float = 0.001
-    max: float = 0.5
-    flat_steps: int = 0
-    flat_decay: float = 0.0
-
-
-@dataclass
-class EvalConfig:
-    every: int = 30  # 0 disables periodic eval (the end-of-run eval still runs when enabled)
-    num_steps: int = 50
-    num_prompts: int = 0  # 0 = the whole eval prompt file
-    seed: int = 42
-    at_end: bool = True
-    at_start: bool = False
-    policy: str = "old"  # evaluate "old" (pi_old, the rollout policy) or "ema": a separate EMA of theta (official)
-    ema_decay: float = 0.9  # eval.policy="ema": decay min((1 + k) / (10 + k), ema_decay) after optimizer step k
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 20
-    keep: int = 2
-    at_end: bool = True
-
-
-@dataclass
-class LayoutConfig:
-    train_ranks: int = 2  # used by the local spawner; under a launcher the world size decides
-    reward_ranks: int = 1  # 0 = reward scored in the training process (colocated)
-    backend: str = "auto"  # "auto" (nccl on GPUs, gloo on CPUs), "gloo", "nccl"
-    device: str = "auto"  # "auto", "cpu" or "cuda"
-    timeout_s: float = 600.0  # collectives and reward traffic
-    # Several NCCL ranks on one GPU, each claiming a host of its own (NCCL_HOSTID) so that NCCL
-    # accepts them: to try a layout's code paths on one GPU. For correctness, not speed (the
-    # ranks then talk over sockets).
-    emulate_hosts: bool = False
-
-
-@dataclass
-class DeterminismConfig:
-    enabled: bool = True
-    cpu_threads: int = 1  # fixed per rank: CPU conv reductions depend on the thread count
-
-
-@dataclass
-class PreemptConfig:
-    signal: str = "SIGUSR2"
-    handle_sigterm: bool = True
-    requeue: bool = True  # under Slurm, rank 0 runs `scontrol requeue $SLURM_JOB_ID`
-
-
-@dataclass
-class LoggingConfig:
-    sample_grid_every: int = 10  # 0 disables the PNG grid of rollout images
-    sample_grid_images: int = 16
-    # Live trackers rank 0 feeds as the run goes ("tensorboard", "wandb"; optional extras):
-    # every metrics row and every sample grid. run.h5 stays the record; a failing tracker is dropped.
-    trackers: list[str] = field(default_factory=list)
-
-
-@dataclass
-class PerfConfig:
-    """Speed levers (hpcnft bench measures each; all off by default). None changes the NFT math;
-    some change rounding, and deterministic mode turns some off: see hpcnft/perf/levers.py."""
-    attention_backend: str = "default"  # "default", "flash", "cudnn", "efficient", "math"
-    compile_blocks: bool = False  # regional torch.compile of each DiT block
-    vae_channels_last: bool = False
-    vae_dtype: str = "auto"  # "auto" (as loaded), "fp32", "fp16" or "bf16"
-    pickscore_dtype: str = "fp32"  # "fp32" or "fp16"
-    pickscore_preprocess: str = "cpu"  # "cpu" (the processor, PIL) or "device" (tensor ops on the scorer's device)
-    skip_single_rank_fsdp: bool = False  # one-rank train mesh: plain module, no FSDP2 wrapping
-    merge_lora_nograd: bool = False  # rollout and v_old on W + s*B@A merged into the base weights
-    old_pass_batch: int = 0  # v_old for all of a step's pairs in passes of this size (0: per micro-batch)
-    fuse_qkv: bool = False  # no-grad passes on merged weights: q, k, v (and the context's) from one GEMM
-    fused_lora: bool = False  # trained forward: q, k, v from one base GEMM and one LoRA-A GEMM per stream
-    overlap_reward: bool = False  # world 1: PickScore in a worker thread while the next chunk samples
-    compile_vae: bool = False  # torch.compile of the VAE decoder (GPU)
-    cudnn_benchmark: bool = False  # cuDNN picks convolution algorithms by timing (VAE)
-    inductor_tuning: bool = False  # Inductor times block sizes of its Triton kernels (compile_blocks, compile_vae)
-    inductor_autotune: bool = False  # Inductor times a wider set of Triton configs, compiled in parallel
-    gelu_epilogue: bool = False  # no-grad passes: feed-forward linear + tanh GELU as one GEMM (cuBLASLt epilogue)
-    rollout_fp8: bool = False  # the rollout's DiT blocks multiply in fp8 (e4m3, row-wise scales)
-    v_old_fp8: bool = False  # the train step's v_old pass multiplies in fp8 too (the NFT loss's old velocity)
-
-
-@dataclass
-class Config:
-    steps: int = 100
-    run_dir: str = ""
-    umask: str = "077"  # octal file-creation mask of every rank: run dir, run.h5, logs, checkpoints
-    models: ModelsConfig = field(default_factory=ModelsConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    nft: NFTConfig = field(default_factory=NFTConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ema: EMAConfig = field(default_factory=EMAConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
-    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
-    preempt: PreemptConfig = field(default_factory=PreemptConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    perf: PerfConfig = field(default_factory=PerfConfig)
-
-    # -- derived ----------------------------------------------------------------------
-    @property
-    def samples_per_step(self) -> int:
-        return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True)
-
-
-def _fields(cls) -> dict[str, dataclasses.Field]:
+def fields_of(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
@@ -290,7 +88,7 @@ def _coerce(key: str, value, typ):
 
 
 def _apply(obj, data: dict, prefix: str = "") -> None:
-    fields = _fields(type(obj))
+    fields = fields_of(type(obj))
     for name, value in data.items():
         key = f"{prefix}{name}"
         if name not in fields:
@@ -334,9 +132,12 @@ def _nest(key: str, value) -> dict:
     return out
 
 
-def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, steps: int | None = None,
-                run_dir: str | None = None) -> Config:
-    cfg = Config()
+def load(root_cls, recipe: str, overrides: list[str] | None = None, *, steps: int | None = None,
+         run_dir: str | None = None):
+    """A `root_cls` from a recipe, then the `--set` overrides, `--steps` and `--run-dir`; checked."""
+    from hpcnft.common.validation import check
+
+    cfg = root_cls()
     _, table = read_recipe(recipe)
     _apply(cfg, table)
     for item in overrides or []:
@@ -346,12 +147,85 @@ def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, ste
         _apply(cfg, {"steps": steps})
     if run_dir is not None:
         cfg.run_dir = run_dir
-    validate(cfg)
+    check(cfg)
     return cfg
 
 
-def config_from_dict(data: dict) -> Config:
-    cfg = Config()
+def from_dict(root_cls, data: dict):
+    """A `root_cls` from a dict (a run file's or a checkpoint's config); checked."""
+    from hpcnft.common.validation import check
+
+    cfg = root_cls()
     _apply(cfg, data)
-    validate(cfg)
+    check(cfg)
     return cfg
+
+
+# -- the reference: every key, its value and its meaning ---------------------------------------
+def documented_keys(cls, prefix: str = ""):
+    """(key, field, class) of every setting under `cls`, in declaration order; a list of tables
+    (reward.terms) gives its own row and one per key of an entry (reward.terms[].kind)."""
+    for f in dataclasses.fields(cls):
+        typ = _type_of(cls, f.name)
+        if dataclasses.is_dataclass(typ):
+            yield from documented_keys(typ, f"{prefix}{f.name}.")
+            continue
+        yield prefix + f.name, f, cls
+        if typing.get_origin(typ) is list and dataclasses.is_dataclass(typing.get_args(typ)[0]):
+            yield from documented_keys(typing.get_args(typ)[0], f"{prefix}{f.name}[].")
+
+
+def _literal(value) -> str:
+    """A value as TOML writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_literal(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value):
+        return "{" + ", ".join(f"{k} = {_literal(v)}" for k, v in vars(value).items()) + "}"
+    return repr(value)
+
+
+def allowed(f: dataclasses.Field) -> str:
+    """A key's rule in words: its choices, its bound, its upper limit."""
+    m = f.metadata
+    parts = [", ".join(f"`{c}`" for c in m.get("choices", ()))]
+    bounds = m.get("bounds", ())
+    if bounds:
+        finite = isinstance(f.default, float) and not m.get("infinite")
+        bound = bounds[-1]  # the narrowest
+        parts.append(("within " if bound.startswith("[") else "") + bound + (", finite" if finite else ""))
+    if m.get("at_most") is not None:
+        parts.append(f"<= {m['at_most']:g}")
+    return "; ".join(p for p in parts if p)
+
+
+def reference_table(cfg, value_header: str = "value") -> str:
+    """The markdown table of every key of `cfg`: the key, its value in `cfg` as TOML writes it
+    (for a key of a list's entries, the entry's default), what it may be, its meaning."""
+    lines = [f"| key | {value_header} | allowed | meaning |", "|---|---|---|---|"]
+    for key, f, cls in documented_keys(type(cfg)):
+        doc = f.metadata.get("doc", "")
+        if not doc or "|" in doc or "\n" in doc:
+            raise ValueError(f"config key {key}: its documentation must be one line without '|' (declare it "
+                             "with setting())")
+        if "[]." in key:
+            value = getattr(cls(), f.name)
+        else:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+        lines.append(f"| `{key}` | `{_literal(value)}` | {allowed(f)} | {doc} |")
+    return "\n".join(lines) + "\n"
+
+
+# -- common's own section ------------------------------------------------------------------
+@dataclasses.dataclass
+class DeterminismConfig:
+    """`[determinism]`: hpcnft.common.determinism's mode (which imports torch, so it is declared here)."""
+    enabled: bool = setting(True, "deterministic mode: deterministic algorithms, fixed seeds, no timing-chosen "
+                                  "kernels (turns those perf levers off)")
+    cpu_threads: int = setting(1, "CPU threads per rank, fixed (CPU conv reductions depend on the thread count)",
+                               bound="> 0")

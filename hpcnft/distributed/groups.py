@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.errors import first_line
+from hpcnft.common.errors import ConfigError, first_line
 from hpcnft.distributed import netif
 from hpcnft.distributed.launch import LaunchInfo, roles  # noqa: F401 - roles: where they were
 
@@ -70,7 +69,7 @@ class Topology:
                 "slurm_job_id": self.job_id or "", "torch_version": torch.__version__}
 
 
-def pick_device(cfg: Config, local_rank: int) -> torch.device:
+def pick_device(cfg, local_rank: int) -> torch.device:
     want = cfg.layout.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -96,7 +95,7 @@ def rendezvous_error(e: BaseException, info: LaunchInfo, route: str = "") -> Ren
     return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}{via}: {first}")
 
 
-def resolve_backend(cfg: Config, device: torch.device) -> str:
+def resolve_backend(cfg, device: torch.device) -> str:
     """The collective backend: layout.backend, or NCCL on GPUs and gloo on CPUs. Refuses
     layout.emulate_hosts where it cannot apply (ConfigError)."""
     backend = cfg.layout.backend if cfg.layout.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -113,7 +112,7 @@ def emulate_host(rank: int, env=os.environ) -> None:
     env["NCCL_HOSTID"] = f"hpcnft-emulated-host-{rank}"
 
 
-def setup(cfg: Config, info: LaunchInfo):
+def setup(cfg, info: LaunchInfo):
     """Initialise torch.distributed; returns (topology, train group, train mesh). A rendezvous
     that fails (the port taken, the master unreachable) raises RendezvousError with one line."""
     from torch.distributed.device_mesh import DeviceMesh

@@ -35,15 +35,13 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.common.errors import first_line
-from hpcnft.common.validation import MAX_CHUNK_BYTES
+from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
 OK, FAILED = 0, 1
 MSG_BYTES = 1024
 REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
-MAX_CHUNK = 4096
-MAX_SIDE = 8192
 
 
 class RewardServiceError(RuntimeError):

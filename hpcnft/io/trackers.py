@@ -19,8 +19,8 @@ from typing import Callable, Mapping, Protocol
 
 import numpy as np
 
-# name -> (the module it imports, the pip extra that installs it)
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+from hpcnft.io.config import TRACKERS
+
 TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard
 # What each tracker holds, written when it closes cleanly: {"last_step": n} (and wandb's run id)
 TENSORBOARD_STATE = "hpcnft-tensorboard.json"  # RUN_DIR/tensorboard/ (TensorBoard reads only *tfevents* files)
@@ -29,7 +29,7 @@ WANDB_STATE = "hpcnft-wandb.json"  # RUN_DIR/wandb/
 
 def missing_package(name: str) -> str | None:
     """One line saying what to install when tracker `name`'s package is absent, else None."""
-    module, extra = PACKAGES[name]
+    module, extra = TRACKERS[name]  # the module it imports, the pip extra that installs it
     if importlib.util.find_spec(module) is None:
         return (f"logging.trackers: {name!r} needs the {module} package, which is not installed "
                 f"(pip install 'hpcnft[{extra}]')")

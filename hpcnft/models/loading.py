@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcnft.common.config import Config
 from hpcnft.common.errors import one_line
 from hpcnft.models.families import Family, family_named
 from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
@@ -23,11 +22,11 @@ class ModelPaths:
     pickscore_processor: str
 
 
-def base_family(cfg: Config) -> Family:
+def base_family(cfg) -> Family:
     return family_named(cfg.models.family)
 
 
-def resolve_model_paths(cfg: Config) -> ModelPaths:
+def resolve_model_paths(cfg) -> ModelPaths:
     """Model folders from the config; the tiny models (built on first use) where a path is empty."""
     family, m = base_family(cfg), cfg.models
     base, ps = family.model_dir(m), m.pickscore_dir
@@ -43,7 +42,7 @@ def resolve_model_paths(cfg: Config) -> ModelPaths:
     return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 
 
-def import_libraries(cfg: Config) -> None:
+def import_libraries(cfg) -> None:
     """Import the classes that loading this config's models imports (its family's diffusers
     pipeline; transformers' CLIP, which PickScore and the CLIP-based reward terms are), loading
     no weights and running no torch operation."""
@@ -61,7 +60,7 @@ def load_sd3_pipeline(path: str, dtype: torch.dtype, device: torch.device):
     return family_named("sd3").load(path, dtype, device)
 
 
-def load_base_pipeline(cfg: Config, path: str, dtype: torch.dtype, device: torch.device):
+def load_base_pipeline(cfg, path: str, dtype: torch.dtype, device: torch.device):
     """The base model's real diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline)."""
     return base_family(cfg).load(path, dtype, device)
 

@@ -3,27 +3,9 @@ is a `[perf]` config key, off by default; with every lever off the package runs 
 before (same code path, same numerics). The mechanisms live beside this module: compiling,
 lora_merge, fused_qkv, epilogue, fp8 and towers.
 
-| key | what it does | numerics |
-|---|---|---|
-| perf.attention_backend | SDPA backend for every DiT forward (and its backward): flash, cudnn, efficient, math | backend-dependent rounding |
-| perf.compile_blocks | regional torch.compile of each DiT transformer block (static shapes, raised recompile limit); GPU only, and only where no FSDP2 group sits inside a block (a half-precision LoRA run under FSDP2 has one per LoRA linear, and dynamo breaks the graph at each: use it with skip_single_rank_fsdp) | fused kernels round differently |
-| perf.skip_single_rank_fsdp | on a one-rank train mesh, keep the plain module (no FSDP2 wrapping: no per-block and per-LoRA-linear all-gathers) | identical |
-| perf.merge_lora_nograd | the old-policy (no-grad) passes, rollout and v_old, run on W + s·B·A merged into the half-precision base weights, adapters off; the base weights are restored bit for bit afterwards | one fp16 rounding of W + ΔW instead of two matmuls |
-| perf.old_pass_batch | v_old for all of a step's pairs in batches of this size (0: per micro-batch, as before) | GEMM batch size changes rounding |
-| perf.vae_dtype | VAE decode in fp16/bf16 instead of the loaded fp32 (helper: `prepare_vae`) | half-precision decode |
-| perf.vae_channels_last | VAE decode in channels-last memory format (helper: `prepare_vae`) | conv algorithm choice |
-| perf.pickscore_dtype | PickScore towers in fp16, embeddings and the score in fp32 (helper: `prepare_scorer`) | fp16 towers |
-| perf.pickscore_preprocess | "device": CLIP's resize/crop/normalise as tensor ops on the scorer's device instead of PIL on the CPU (`rewards.pickscore.clip_pixel_values`), prompts padded to 77 tokens (one text-tower shape) | antialiased bicubic of torch, not PIL: pixels within about a grey level; text rounding only |
-| perf.fuse_qkv | the no-grad passes compute q, k, v (and the text stream's) with one GEMM on concatenated weights (`perf.fused_qkv`); LoRA needs merge_lora_nograd | one GEMM's rounding instead of three |
-| perf.fused_lora | the trained forward computes a stream's q, k, v with one frozen base GEMM on concatenated weights and one GEMM on the concatenated LoRA A matrices (`perf.fused_qkv`); not under FSDP2 per-linear groups | GEMM rounding |
-| perf.overlap_reward | world 1: PickScore of a chunk in a worker thread while the next chunk samples (`LocalRewardClient`) | identical |
-| perf.compile_vae | torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only | fused kernels round differently |
-| perf.cudnn_benchmark | cuDNN times its convolution algorithms and keeps the fastest (helper: `prepare_vae`); GPU only | algorithm choice |
-| perf.inductor_tuning | Inductor tunes the block sizes of every Triton kernel it generates by timing (coordinate descent) for the compiled blocks and VAE | as compile (kernel choice) |
-| perf.inductor_autotune | Inductor compiles a wider set of block-size configs for each pointwise and reduction kernel it generates (`max_autotune_pointwise`; in parallel worker processes) and times them at the first call | as compile (kernel choice) |
-| perf.gelu_epilogue | the no-grad passes (rollout, v_old) compute each feed-forward's first linear and its tanh GELU as one GEMM with cuBLASLt's GELU epilogue (`perf.epilogue`) | GELU of the fp32 accumulator, not of its fp16 rounding |
-| perf.rollout_fp8 | the rollout's DiT blocks multiply in fp8 (e4m3; weights scaled per output channel, activations per token; `perf.fp8`); v_old (but under perf.v_old_fp8), training and evaluation keep their precision; needs fp8 GEMMs (sm89+, or the CPU) | fp8 rounding of every block GEMM's inputs: `hpcnft bench` reports the cost (`rollout_fp8_cost`) |
-| perf.v_old_fp8 | the train step's v_old pass (no grad) multiplies in fp8 the same way; the trained forward, its backward and the KL reference keep their precision | fp8 rounding of the NFT loss's old velocity: `hpcnft bench` reports the cost in v_old, loss and gradient (`v_old_fp8_cost`, also against fp32 arithmetic); with pi_old == pi_theta the two branches no longer agree bit for bit |
+What each lever does, and what it does to the numerics, is said once, beside its key in
+hpcnft/perf/config.py (docs/configuration.md's table is made from it), with `FAST`, the
+combination `hpcnft bench` measures.
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
 (skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
@@ -33,13 +15,6 @@ and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction c
 so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
 (the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under
 its own deterministic-algorithm rules): see `effective`.
-
-`FAST` is the combination `hpcnft bench` measures as "hpcnft fast"; `hpcnft bench --shapes
-sd35m --baseline --levers all` prints what each lever gives alone and together. Measured on one
-H200 (docs/bench/README.md): FAST runs an iteration in 14.5 s against 29.7 s for the plain
-diffusers + peft stack; channels-last VAE, the flash/efficient SDPA backends (cuDNN's, PyTorch's
-own pick, is the fastest there), batches of 64 and overlap_reward gave no gain there and are
-left out of FAST.
 """
 from __future__ import annotations
 
@@ -50,35 +25,14 @@ import logging
 import torch
 
 from hpcnft.perf import compiling, lora_merge, towers
+from hpcnft.perf.config import ATTENTION_BACKENDS, FAST  # noqa: F401 (FAST: the levers' combined set)
 
 # The LoRA linears of a model (the Policy sets how they cast their inputs).
 lora_layers = lora_merge.lora_layers
 
-# The combined set: config overrides (as `--set` would give them).
-FAST = {
-    "perf.compile_blocks": True,
-    "perf.skip_single_rank_fsdp": True,
-    "perf.merge_lora_nograd": True,
-    "perf.fuse_qkv": True,
-    "perf.fused_lora": True,
-    "perf.compile_vae": True,
-    "perf.cudnn_benchmark": True,
-    "perf.pickscore_preprocess": "device",
-    "perf.old_pass_batch": 32,
-    "perf.vae_dtype": "fp16",
-    "perf.pickscore_dtype": "fp16",
-    # Larger batches halve the kernel launches per sample: at 16 the train step is bound by the
-    # CPU launching kernels (the GPU idles ~27 % of it).
-    "rollout.batch_size": 32,
-    "train.micro_batch": 32,
-    "train.grad_checkpointing": False,
-}
 CUDA_ONLY = ("perf.compile_blocks", "perf.attention_backend", "perf.compile_vae", "perf.cudnn_benchmark")
 DETERMINISM_OFF = {"compile_blocks": False, "compile_vae": False, "cudnn_benchmark": False,
                    "attention_backend": "default", "inductor_tuning": False, "inductor_autotune": False}
-
-_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
-             "math": "MATH"}
 
 
 def effective(cfg):
@@ -97,7 +51,7 @@ def attention_context(cfg):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([getattr(SDPBackend, _BACKENDS[name])])
+    return sdpa_kernel([getattr(SDPBackend, ATTENTION_BACKENDS[name])])
 
 
 def with_attention(cfg, ctx):

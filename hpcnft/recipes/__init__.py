@@ -1,1 +1,1 @@
-"""Recipes shipped with hpcnft (TOML files read by hpcnft.common.config)."""
+"""Recipes shipped with hpcnft (TOML files read by hpcnft.common.recipe_files)."""

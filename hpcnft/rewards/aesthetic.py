@@ -15,12 +15,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import ModelError
 from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.clip_l import TINY_CLIP_L, clip_l_folder, load_clip_l, projected, term_key
+from hpcnft.rewards.config import RewardTermConfig
 
 HEAD_FILE = "sac+logos+ava1-l14-linearMSE.pth"
 AESTHETIC_TINY = "aesthetic_tiny"
@@ -53,7 +53,7 @@ def build_tiny_head(folder: str, seed: int = 0) -> None:
     torch.save(AestheticMLP(TINY_CLIP_L["projection_dim"]).state_dict(), os.path.join(folder, HEAD_FILE))
 
 
-def head_path(term: RewardTermConfig, cfg: Config) -> str:
+def head_path(term: RewardTermConfig, cfg) -> str:
     if term.weights:
         return term.weights
     if term.model_dir:
@@ -96,13 +96,13 @@ class AestheticTerm:
         return self.head(embed).squeeze(1).float().cpu()
 
 
-def load(term: RewardTermConfig, cfg: Config, device: torch.device) -> AestheticTerm:
+def load(term: RewardTermConfig, cfg, device: torch.device) -> AestheticTerm:
     processor, model = load_clip_l(term, cfg, device)
     head = load_head(head_path(term, cfg), term_key(term, "weights"), model.config.projection_dim)
     return AestheticTerm(processor, model, head.to(device).eval().requires_grad_(False), device)
 
 
-def build_tiny(term: RewardTermConfig, cfg: Config) -> None:
+def build_tiny(term: RewardTermConfig, cfg) -> None:
     """The tiny CLIP and head where the term names no folder (registry.build_tiny_models)."""
     clip_l_folder(term, cfg)
     head_path(term, cfg)

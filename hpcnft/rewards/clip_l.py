@@ -14,10 +14,10 @@ import shutil
 
 import torch
 
-from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.common.errors import one_line
 from hpcnft.models.folders import PROCESSOR_REQUIRED, ModelError, check_folder, quiet_libraries
 from hpcnft.models.tiny_cache import ensure_tiny, tiny_cache
+from hpcnft.rewards.config import RewardTermConfig
 
 CLIP_L_TINY = "clip_l_tiny"
 CLIP_MODEL_REQUIRED = ("config.json",)
@@ -80,14 +80,14 @@ def build_tiny_clip_l(folder: str, seed: int = 0) -> None:
     shutil.rmtree(tok_src)
 
 
-def clip_l_folder(term: RewardTermConfig, cfg: Config) -> str:
+def clip_l_folder(term: RewardTermConfig, cfg) -> str:
     """The term's CLIP folder: model_dir, or the tiny one (built on first use) when empty."""
     if term.model_dir:
         return term.model_dir
     return ensure_tiny(tiny_cache(cfg), CLIP_L_TINY, build_tiny_clip_l)
 
 
-def load_clip_l(term: RewardTermConfig, cfg: Config, device: torch.device):
+def load_clip_l(term: RewardTermConfig, cfg, device: torch.device):
     """(CLIPProcessor with the PIL image backend, float32 CLIPModel on `device`) for a term;
     processor_dir defaults to the model folder, as in the openai/clip-vit-large-patch14 layout."""
     model_dir = clip_l_folder(term, cfg)

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hpcnft.common.config import Config, RewardTermConfig
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.clip_l import clip_l_folder, load_clip_l
+from hpcnft.rewards.config import RewardTermConfig
 
 CLIP_TEXT_TOKENS = 77
 LOGIT_DIVISOR = 100.0
@@ -104,11 +104,11 @@ class ClipScoreTerm:
         return (out.logits_per_image.diagonal() / LOGIT_DIVISOR).float().cpu()
 
 
-def load(term: RewardTermConfig, cfg: Config, device: torch.device) -> ClipScoreTerm:
+def load(term: RewardTermConfig, cfg, device: torch.device) -> ClipScoreTerm:
     processor, model = load_clip_l(term, cfg, device)
     return ClipScoreTerm(processor, model, device)
 
 
-def build_tiny(term: RewardTermConfig, cfg: Config) -> None:
+def build_tiny(term: RewardTermConfig, cfg) -> None:
     """The tiny CLIP ViT-L/14 where the term names no folder (registry.build_tiny_models)."""
     clip_l_folder(term, cfg)

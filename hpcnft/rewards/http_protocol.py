@@ -33,8 +33,7 @@ import zipfile
 import numpy as np
 
 from hpcnft.common.errors import first_line
-from hpcnft.common.validation import MAX_CHUNK_BYTES
-from hpcnft.distributed.reward_service import MAX_CHUNK, MAX_SIDE
+from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
 CONTENT_TYPE = "application/x-npz"
 SCORE_PREFIX = "/v1/score/"

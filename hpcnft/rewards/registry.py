@@ -1,4 +1,5 @@
-"""Which module loads each kind of reward term, and the job's terms from its config.
+"""The job's reward terms from its config, each loaded by its kind's module (which module that
+is: `MODULES`, in hpcnft.rewards.config, the one list of kinds).
 
 Each kind's module has `load(term, cfg, device) -> RewardTerm` (term: a RewardTermConfig; an
 empty model_dir means the kind's tiny model, built into the tiny-model cache on first use).
@@ -11,34 +12,24 @@ from dataclasses import replace
 
 import torch
 
-from hpcnft.common.config import Config, RewardTermConfig
-
-MODULES = {
-    "pickscore": "hpcnft.rewards.pickscore",
-    "hpsv2": "hpcnft.rewards.hpsv2",
-    "clipscore": "hpcnft.rewards.clipscore",
-    "aesthetic": "hpcnft.rewards.aesthetic",
-    "jpeg_compressibility": "hpcnft.rewards.jpeg",
-    "jpeg_incompressibility": "hpcnft.rewards.jpeg",
-    "remote": "hpcnft.rewards.remote",
-}
+from hpcnft.rewards.config import MODULES, RewardTermConfig
 
 
-def job_terms(cfg: Config) -> list[RewardTermConfig]:
+def job_terms(cfg) -> list[RewardTermConfig]:
     """The configured terms, each with its name filled in; PickScore alone when none are."""
     terms = cfg.reward.terms or [RewardTermConfig(kind="pickscore")]
     return [replace(t, name=t.name or t.kind) for t in terms]
 
 
-def training_terms(cfg: Config) -> list[RewardTermConfig]:
+def training_terms(cfg) -> list[RewardTermConfig]:
     return [t for t in job_terms(cfg) if not t.eval_only]
 
 
-def load_term(term: RewardTermConfig, cfg: Config, device: torch.device):
+def load_term(term: RewardTermConfig, cfg, device: torch.device):
     return importlib.import_module(MODULES[term.kind]).load(term, cfg, device)
 
 
-def build_tiny_models(cfg: Config) -> None:
+def build_tiny_models(cfg) -> None:
     """Build the tiny model of every term that names no folder. Called before the process group
     exists: with a group up, transformers' save_pretrained writes nothing on ranks other than 0."""
     for term in job_terms(cfg):

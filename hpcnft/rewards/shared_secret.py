@@ -13,7 +13,7 @@ import ipaddress
 import os
 import stat
 
-from hpcnft.common.validation import REWARD_TOKEN_ENV
+from hpcnft.rewards.config import REWARD_TOKEN_ENV
 
 MIN_TOKEN_CHARS = 16  # the server does not slow down guesses: a short token would be found
 MAX_TOKEN_CHARS = 4096

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from hpcnft.algo.prompts import PromptFileError
 from hpcnft.common import determinism
-from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.validation import check_layout
+from hpcnft.algo.root_config import Config, ConfigError
+from hpcnft.distributed.config import check_layout
 from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError,
                                   one_line)
 from hpcnft.distributed import groups, spawner

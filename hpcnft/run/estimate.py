@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from hpcnft.common.config import Config
+from hpcnft.algo.root_config import Config
 from hpcnft.common.recipe_files import is_recipe_file, recipe_file_base
 
 VAE_FACTOR = 8  # pixels per latent cell, each side: both families' VAEs (4 blocks, 3 downsamplings)

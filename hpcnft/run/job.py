@@ -15,7 +15,7 @@ from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
 from hpcnft.algo.trainer import Trainer
 from hpcnft.common import collector, determinism
-from hpcnft.common.config import Config
+from hpcnft.algo.root_config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     enabled = gc.isenabled()
     collector.hold_off()  # until the rank's models are loaded (collector.settle)
     try:
-        from hpcnft.common.config import load_config
+        from hpcnft.algo.root_config import load_config
         from hpcnft.distributed.detect import detect
         from hpcnft.run.entry import rank_main
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from hpcnft.common.config import Config, ConfigError
-from hpcnft.common.config_changes import config_changes, describe_changes, warned_on_resume
+from hpcnft.algo.root_config import Config, ConfigError
 from hpcnft.common.errors import one_line
 from hpcnft.io import checkpoint, run_state
 from hpcnft.io.runfile import RunFileError, read_run
+from hpcnft.run.config_changes import config_changes, describe_changes, warned_on_resume
 
 
 class RunFileLostError(Exception):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
+from hpcnft.algo.root_config import Config
 from hpcnft.common import collector, determinism
-from hpcnft.common.config import Config
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.distributed.reward_service import serve

@@ -21,7 +21,7 @@ def check_input(cfg, world_size: int | None = None) -> None:
     may be writing them); the layout's against `world_size` when the job's size is known."""
     from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
     from hpcnft.common.errors import ConfigError
-    from hpcnft.common.validation import check_layout
+    from hpcnft.distributed.config import check_layout
 
     if world_size is not None:
         try:
@@ -103,9 +103,9 @@ def check_existing_run(cfg) -> int | None:
     there must be a run file of this config, which the run appends to. Returns the step a
     finished run ended at: its run.h5 says it finished at cfg.steps or later, with this config
     (what may change on resume aside), and that step's checkpoint is complete; else None."""
-    from hpcnft.common.config import ConfigError
-    from hpcnft.common.config_changes import config_changes, differing_keys
+    from hpcnft.common.errors import ConfigError
     from hpcnft.io.runfile import RunFileError, read_run
+    from hpcnft.run.config_changes import config_changes, differing_keys
 
     path = os.path.join(cfg.run_dir, "run.h5")
     checkpoints = os.path.join(cfg.run_dir, "checkpoints")

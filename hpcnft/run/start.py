@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import sys
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.common import collector
-from hpcnft.common.config import ConfigError, load_config
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, UsageError
-from hpcnft.common.validation import local_world_size
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError, UsageError
 from hpcnft.distributed import preempt
+from hpcnft.distributed.config import local_world_size
 from hpcnft.distributed.detect import detect
 from hpcnft.distributed.launch import LaunchError, roles
 from hpcnft.run.failures import FailureClaim

@@ -26,7 +26,7 @@ class HpcnftJob(submitit.helpers.Checkpointable):
     """The callable each submitit task runs. `checkpoint` (inherited) resubmits the same call."""
 
     def __call__(self, recipe: str, overrides: list[str], run_dir: str, steps: int | None) -> int:
-        from hpcnft.common.config import load_config
+        from hpcnft.algo.root_config import load_config
         from hpcnft.distributed.detect import detect
         from hpcnft.run.entry import rank_main
 
@@ -79,7 +79,7 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
            account: str | None = None, mem_gb: float | None = None, folder: str | None = None):
     """Submit the job; returns the submitit Job. The run dir is fixed here, so every requeue
     of the job writes to (and resumes from) the same one."""
-    from hpcnft.common.config import ConfigError, load_config
+    from hpcnft.algo.root_config import ConfigError, load_config
     from hpcnft.io.rundir_lock import check_free
     from hpcnft.run.rundir import default_run_dir, preflight
 

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import velocity
-from hpcnft.common.config import load_config
 from hpcnft.models.tiny import TINY_TRANSFORMER
 from hpcnft.perf import compiling, fused_qkv, levers
 from lora_tools import tiny_lora_dit

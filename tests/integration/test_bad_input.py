@@ -224,7 +224,7 @@ def test_under_a_launcher_a_layout_that_does_not_fit_is_refused_before_the_rende
 
 def test_preflight_checks_the_processor_folder_with_tiny_models(tmp_path):
     # in-process: the tiny models need no model folders, so only the processor override is checked
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
     from hpcnft.common.errors import UsageError
     from hpcnft.run.rundir import preflight
 

@@ -99,7 +99,7 @@ def test_bench_help_lists_every_shapes():
 def test_bench_tiny_flux_runs_the_plain_and_the_package_stacks(tmp_path):
     """The FLUX paths of both stacks on a CPU: the plain FluxPipeline-style diffusers + peft
     stack and the package's (FLUX family, its levers) at the tiny FLUX.1-dev's shapes."""
-    from hpcnft.common.validation import SD3_ONLY_LEVERS
+    from hpcnft.perf.config import SD3_ONLY_LEVERS
 
     out = tmp_path / "bench.json"
     r = hpcnft("bench", "--shapes", "tiny_flux", "--baseline", "--no-default", "--json", out,

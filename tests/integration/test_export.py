@@ -16,11 +16,11 @@ from hardening_tools import small_tmpfs
 from jobs import hpcnft
 from hpcnft.algo import nft
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
-from hpcnft.rewards.pickscore import PickScoreScorer
+from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast
-from hpcnft.common.config import load_config
 from hpcnft.io.runfile import read_run
 from hpcnft.models.loading import base_family, load_pickscore, resolve_model_paths
+from hpcnft.rewards.pickscore import PickScoreScorer
 
 
 class Sampler:

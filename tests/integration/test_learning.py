@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jobs import hpcnft, start
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.io.prompt_files import read_prompt_file
 from hpcnft.io.runfile import read_run
 

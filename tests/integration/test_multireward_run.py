@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jobs import assert_same_metrics, hpcnft
-from hpcnft.common.config import config_from_dict
+from hpcnft.algo.root_config import config_from_dict
 from hpcnft.io.runfile import read_run
 from hpcnft.rewards.registry import job_terms
 

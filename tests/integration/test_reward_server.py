@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from jobs import start
-from hpcnft.common.config import RewardTermConfig, load_config
+from hpcnft.algo.root_config import load_config
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.registry import load_term
 from hpcnft.rewards.remote import RemoteRewardError, RemoteTerm
 

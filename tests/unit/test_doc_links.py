@@ -205,7 +205,7 @@ def test_readme_is_a_front_door_that_links_every_page():
 def test_readme_says_where_the_weights_come_from():
     """Each model a recipe loads: its Hugging Face id, a download command, and the folder the
     recipe expects by default; the gated ones with their licences."""
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
 
     text = README.read_text(encoding="utf-8").replace("\\\n", " ")  # continued command lines joined
     models = {

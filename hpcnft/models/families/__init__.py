@@ -11,6 +11,7 @@ from hpcnft.models.families.base import Family
 from hpcnft.models.families.flux import FLUX
 from hpcnft.models.families.sd3 import SD3
 
+# one per name of models.family's choices, hpcnft.models.config.FAMILIES (a test holds the two)
 FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX)}
 
 

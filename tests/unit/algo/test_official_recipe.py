@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from hpcnft.algo import nft
-from hpcnft.models.families.sd3 import dit_timestep
+from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import Conditioning, null_autocast, sigma_grid
 from hpcnft.algo.solvers import sample
-from hpcnft.common.config import load_config
+from hpcnft.models.families.sd3 import dit_timestep
 
 
 # =============================================================================================

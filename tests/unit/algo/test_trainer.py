@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hpcnft.algo.pairs import pair_noise, train_sigma_pairs
+from hpcnft.algo.root_config import load_config
 from hpcnft.algo.trainer import LossScaler
-from hpcnft.common.config import load_config
 
 
 # ---------------------------------------------------------------------------------------------

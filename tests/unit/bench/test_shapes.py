@@ -4,12 +4,12 @@ package's FLUX family (CPU)."""
 import pytest
 import torch
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit
 from hpcnft.bench.stack import bench_config
-from hpcnft.common.config import load_config
 from hpcnft.common.errors import UsageError
-from hpcnft.common.validation import SD3_ONLY_LEVERS
+from hpcnft.perf.config import SD3_ONLY_LEVERS
 
 CUDA = torch.device("cuda")  # a device name only: the configs are made without a GPU
 CPU = torch.device("cpu")

@@ -7,10 +7,11 @@ import os
 import numpy as np
 import torch
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.cli.main import main
-from hpcnft.common.config import RewardTermConfig, load_config
 from hpcnft.models.loading import load_base_pipeline
 from hpcnft.rewards.aesthetic import HEAD_FILE
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.registry import load_term
 
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.cli import reward_server
 from hpcnft.cli.main import OneLineParser, main
 from hpcnft.cli.reward_server import required_token, served_terms, server_limits
-from hpcnft.common.config import load_config
 from hpcnft.rewards import http_server
 
 TERMS = 'reward.terms=[{kind="pickscore", name="ps", model_dir="/models/ps"}, {kind="remote", name="ocr", ' \
@@ -116,7 +116,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model or the config was loaded")
 
     monkeypatch.setattr(reward_server, "load_terms", never)
-    monkeypatch.setattr("hpcnft.common.config.load_config", never)
+    monkeypatch.setattr("hpcnft.algo.root_config.load_config", never)
     monkeypatch.delenv("HPCNFT_REWARD_TOKEN", raising=False)
 
 

@@ -1,13 +1,17 @@
-"""hpcnft.common.config: recipes, --set parsing, refusals (docs/configuration.md; nft_spec.md §5)."""
+"""The config (hpcnft.algo.root_config over hpcnft.common.config): recipes, --set parsing,
+refusals, and each vocabulary held by its owner alone (docs/configuration.md; nft_spec.md §5)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from hpcnft.common.config import ConfigError, load_config, parse_set
-from hpcnft.common.config_changes import differing_keys
+from hpcnft.algo.root_config import ConfigError, load_config
+from hpcnft.common.config import parse_set
 from hpcnft.common.recipe_files import recipe_names
+from hpcnft.run.config_changes import differing_keys
 
 ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
@@ -220,6 +224,8 @@ def test_a_nasty_prompt_path_is_refused_in_one_line_and_runs_nothing(tmp_path, m
     ("layout.timeout_s=1e9", "layout.timeout_s: must be <= 86400"),
     ("rollout.height=16384", "rollout.height: must be <= 8192"),
     ("rollout.batch_size=99999", "rollout.batch_size: must be <= 4096"),
+    ("ema.max=-0.5", "ema.max: must be >= 0"),
+    ("ema.max=1.5", "ema.max: must be within .0, 1., got 1.5"),
     ("run_dir=\"a\\u0000b\"", "run_dir: must not contain NUL"),
     ("data.eval_prompts=\"a\\nb\"", "data.eval_prompts: must not contain NUL or newline"),
     ("steps=\"3; rm -rf /\"", "steps: expected an integer"),
@@ -264,7 +270,7 @@ def test_trackers_may_change_on_resume():
 
 
 def test_the_layout_is_checked_against_the_world_size():
-    from hpcnft.common.validation import check_layout, local_world_size
+    from hpcnft.distributed.config import check_layout, local_world_size
 
     cfg = load_config("tiny")  # 16 samples a step
     assert local_world_size(cfg) == 3
@@ -275,3 +281,55 @@ def test_the_layout_is_checked_against_the_world_size():
     with pytest.raises(ConfigError, match="layout.reward_ranks: 2 leaves no train rank in a world of 2"):
         check_layout(load_config("tiny", ["layout.reward_ranks=2"]), 2)
     assert local_world_size(load_config("tiny", ["layout.train_ranks=1", "layout.reward_ranks=0"])) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# one source per vocabulary: each section's choices are its owner's, and the config imports no torch
+# ---------------------------------------------------------------------------------------------
+def test_the_choices_are_what_their_owners_implement():
+    from hpcnft.algo import config as algo_config
+    from hpcnft.algo import nft, nft_config, policy, solvers
+    from hpcnft.distributed import reward_limits, reward_service
+    from hpcnft.io import config as io_config
+    from hpcnft.io import trackers
+    from hpcnft.models import config as models_config
+    from hpcnft.models import families
+    from hpcnft.perf import config as perf_config
+    from hpcnft.perf import levers, towers
+    from hpcnft.rewards import config as rewards_config
+    from hpcnft.rewards import http_protocol, registry
+
+    # the same objects: defined once, imported where they are used
+    assert nft.ADV_MODES is nft_config.ADV_MODES and registry.MODULES is rewards_config.MODULES
+    assert levers.FAST is perf_config.FAST and levers.ATTENTION_BACKENDS is perf_config.ATTENTION_BACKENDS
+    for name in ("MAX_CHUNK", "MAX_SIDE", "MAX_CHUNK_BYTES"):
+        assert getattr(reward_service, name) == getattr(http_protocol, name) == getattr(reward_limits, name)
+    assert rewards_config.TERM_KINDS == tuple(registry.MODULES)
+    # names whose implementations need torch: the owner's table of them has exactly the config's names
+    assert tuple(solvers.SOLVERS) == algo_config.SOLVERS
+    assert tuple(families.FAMILIES) == models_config.FAMILIES
+    assert ("auto", *towers.VAE_DTYPES) == perf_config.VAE_DECODE_DTYPES
+    assert ("fp32", *policy.AUTOCAST_DTYPES) == algo_config.PRECISIONS
+    assert {t.name for t in (trackers.TensorBoardTracker, trackers.WandbTracker)} == set(io_config.TRACKERS)
+
+
+def test_the_refusals_name_the_owners_vocabulary():
+    with pytest.raises(ConfigError, match="nft.adv_mode: 'best' is not one of all, positive_only, negative_only, "
+                                          "one_only, binary"):
+        load_config("tiny", ["nft.adv_mode=best"])
+    with pytest.raises(ConfigError, match="rollout.solver: 'heun' is not one of euler, dpm2"):
+        load_config("tiny", ["rollout.solver=heun"])
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\].kind: 'ocr' is not one of pickscore, hpsv2, clipscore, "
+                                          "aesthetic, jpeg_compressibility, jpeg_incompressibility, remote"):
+        load_config("tiny", ['reward.terms=[{kind = "ocr"}]'])
+    with pytest.raises(ConfigError, match="rollout.width: must be <= 8192, got 8208"):
+        load_config("tiny", ["rollout.width=8208"])
+
+
+def test_loading_a_config_imports_no_torch():
+    code = ("import sys; from hpcnft.algo.root_config import load_config; "
+            "load_config('sd35m_pickscore_fast', ['logging.trackers=[\"wandb\"]']); print('torch' in sys.modules)")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.stdout.strip() == "False"

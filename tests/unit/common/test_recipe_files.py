@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from hpcnft.algo.root_config import load_config
 from hpcnft.common import recipe_files
-from hpcnft.common.config import load_config
 from hpcnft.common.errors import ConfigError
 from hpcnft.common.recipe_files import read_recipe, recipe_file_base
 

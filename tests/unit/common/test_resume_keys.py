@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from config_terms import JUDGE, judge, with_terms
 
-from hpcnft.common.config import load_config
-from hpcnft.common.config_changes import (
+from hpcnft.algo.root_config import load_config
+from hpcnft.run.config_changes import (
     CHANGES_LISTED,
     config_changes,
     describe_changes,

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from hpcnft.common.config import ConfigError, load_config
+from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.distributed.groups import Topology, emulate_host, resolve_backend
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve

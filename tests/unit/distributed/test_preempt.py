@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 
 
 
@@ -57,7 +57,7 @@ def test_a_retired_preempt_flag_lets_a_late_signal_pass_through_shutdown():
 _RANK_MAIN_OUT_EARLY = r"""
 import signal, sys
 import torch.distributed as dist
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.common.errors import EXIT_BAD_INPUT
 from hpcnft.distributed.detect import detect
 from hpcnft.distributed.spawner import free_port

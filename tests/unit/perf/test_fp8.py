@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.perf import fp8, fused_qkv, levers
 from lora_tools import RecordOps, move_adapters, tiny_lora_dit, tiny_policy, tiny_velocity
 

@@ -6,8 +6,8 @@ import contextlib
 import pytest
 import torch
 
+from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.algo.sampler import velocity
-from hpcnft.common.config import ConfigError, load_config
 from hpcnft.models.tiny import TINY_TRANSFORMER
 from hpcnft.perf import fused_qkv, levers
 from lora_tools import move_adapters, tiny_policy

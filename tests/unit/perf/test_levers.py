@@ -114,7 +114,7 @@ def test_batched_old_pass_matches_per_micro_batch(stacks):
 
 
 def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
-    from hpcnft.common.config import Config
+    from hpcnft.algo.root_config import Config
 
     cfg = Config()
     cfg.perf = dataclasses.replace(cfg.perf, compile_blocks=True, attention_backend="flash", merge_lora_nograd=True)
@@ -129,7 +129,7 @@ def test_deterministic_mode_turns_off_compile_and_the_attention_backend():
                                         ("inductor_autotune", "max_autotune_pointwise")])
 def test_inductor_tuning_is_set_for_what_compiles_next_and_off_in_deterministic_mode(key, option):
     import torch._inductor.config as inductor
-    from hpcnft.common.config import Config
+    from hpcnft.algo.root_config import Config
 
     cfg = Config()
     cfg.determinism.enabled = False
@@ -166,7 +166,7 @@ def test_half_precision_policy_skips_peft_input_casts(stacks, precision, cast):
 
 
 def test_the_fast_recipe_is_the_reference_recipe_with_FAST():
-    from hpcnft.common.config import load_config
+    from hpcnft.algo.root_config import load_config
     from hpcnft.common.validation import flatten
 
     ref = flatten(load_config("sd35m_pickscore").to_dict())

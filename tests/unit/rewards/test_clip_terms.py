@@ -13,8 +13,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from hpcnft.common.config import Config, RewardTermConfig
+from hpcnft.algo.root_config import Config
+
 from hpcnft.models.folders import ModelError
+from hpcnft.rewards.config import RewardTermConfig
 
 CPU = torch.device("cpu")
 VIT_L_MEAN = [0.48145466, 0.4578275, 0.40821073]

@@ -163,7 +163,8 @@ def test_longer_side_already_224_is_padded_without_resizing():
 
 
 def test_load_builds_the_tiny_model_for_an_empty_model_dir(tmp_path):
-    from hpcnft.common.config import Config, RewardTermConfig
+    from hpcnft.algo.root_config import Config
+    from hpcnft.rewards.config import RewardTermConfig
     from hpcnft.rewards.hpsv2 import TINY_DIRNAME, load
 
     cfg = Config()

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from hpcnft.common.config import ConfigError, RewardTermConfig, load_config
+from hpcnft.algo.root_config import ConfigError, load_config
+
 from hpcnft.rewards import remote
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.http_protocol import MAX_CHUNK, encode_scores
 from hpcnft.rewards.http_server import ScoringServer
 from hpcnft.rewards.registry import load_term

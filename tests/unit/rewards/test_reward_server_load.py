@@ -17,7 +17,9 @@ import psutil
 import pytest
 import torch
 
-from hpcnft.common.config import RewardTermConfig, load_config
+from hpcnft.algo.root_config import load_config
+
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.http_protocol import CONTENT_TYPE, encode_request
 from hpcnft.rewards.registry import load_term
 from reward_http import connect, drip_until_closed, head, post_until_answered, send_post, wait_for_port

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcnft.common.config import ConfigError, load_config
+from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.rewards.http_protocol import CONTENT_TYPE, MAX_BODY_BYTES, encode_request
 from hpcnft.rewards.http_server import ScoringServer
 from hpcnft.rewards.registry import load_term

@@ -11,9 +11,10 @@ import torch
 from PIL import Image
 
 from hpcnft.algo.reward import make_score_fn, reply_columns, term_columns, training_reward
-from hpcnft.common.config import ConfigError, RewardTermConfig, config_from_dict, load_config
+from hpcnft.algo.root_config import ConfigError, config_from_dict, load_config
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT
 from hpcnft.io.runfile import ALL_KEYS, reward_term_keys
+from hpcnft.rewards.config import RewardTermConfig
 from hpcnft.rewards.registry import job_terms, load_term
 
 TERMS = ('reward.terms=[{kind="jpeg_compressibility", weight=2.0}, {kind="jpeg_incompressibility", name="size", '

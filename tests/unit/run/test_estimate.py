@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcnft.common.config import Config, load_config
+from hpcnft.algo.root_config import Config, load_config
 from hpcnft.common.validation import flatten
 from hpcnft.models.tiny import TINY_TRANSFORMER
 from hpcnft.models.tiny_flux import TINY_FLUX_TRANSFORMER

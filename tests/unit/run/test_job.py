@@ -9,8 +9,8 @@ import types
 import pytest
 
 from hardening_tools import tiny_policy
+from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.common import determinism
-from hpcnft.common.config import ConfigError, load_config
 from hpcnft.io import checkpoint
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
@@ -90,7 +90,7 @@ def test_run_file_is_closed_before_the_job_is_requeued(monkeypatch, capsys):
 
 
 def test_the_reward_line_names_each_training_term_its_weight_and_what_it_scores():
-    from hpcnft.common.config import RewardTermConfig as Term
+    from hpcnft.rewards.config import RewardTermConfig as Term
     from hpcnft.rewards.registry import training_terms
     from hpcnft.run.output import reward_header
 

@@ -10,7 +10,7 @@ import pytest
 from config_terms import JUDGE, judge, with_terms
 from hardening_tools import run_with_checkpoints
 
-from hpcnft.common.config import ConfigError
+from hpcnft.algo.root_config import ConfigError
 from hpcnft.io import run_state
 from hpcnft.run import resume
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from hardening_tools import run_with_checkpoints, writer_made_run
-from hpcnft.common.config import load_config
+from hpcnft.algo.root_config import load_config
 from hpcnft.common.errors import UsageError
 from hpcnft.io import run_state
 from hpcnft.io.run_writer import RunFileWriter

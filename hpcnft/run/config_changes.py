@@ -8,7 +8,8 @@ import re
 import typing
 from dataclasses import dataclass
 
-from hpcnft.common.config import Config, _type_of
+from hpcnft.algo.root_config import Config
+from hpcnft.common.config import _type_of
 from hpcnft.common.validation import flatten
 
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).

@@ -1,0 +1,104 @@
+"""The algorithm's sections but `[nft]` (hpcnft.algo.nft_config, beside the NFT math): `[rollout]`,
+`[train]`, `[optim]`, `[ema]`, `[eval]`, with the vocabularies of their choices (hpcnft.algo.solvers
+keys its samplers by SOLVERS). No torch: the config imports it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcnft.common.config import setting
+from hpcnft.common.errors import ConfigError
+from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
+
+SOLVERS = ("euler", "dpm2")  # rollout.solver: algo.solvers.SOLVERS has one sampler for each (a test holds them)
+UINT8_ROUNDINGS = ("round", "truncate")
+FINETUNES = ("lora", "full")
+PRECISIONS = ("fp32", "fp16", "bf16")
+EVAL_POLICIES = ("old", "ema")
+ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = setting(8, "P, the prompts of a step", bound="> 0")
+    samples_per_prompt: int = setting(8, "G, the samples of each prompt (one advantage group)", bound="> 0")
+    num_steps: int = setting(10, "ODE sampler steps", bound="> 0")
+    guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
+    height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
+    width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
+    max_sequence_length: int = setting(256, "T5 tokens (FLUX: at most 512)", bound="> 0")
+    batch_size: int = setting(8, "samples per DiT forward, and per chunk sent to the reward rank; at most the "
+                                 "samples of a step", bound="> 0", at_most=MAX_CHUNK)
+    seed: int = setting(42, "the rollout's noise seed")
+    uint8_rounding: str = setting("round", "images to uint8: `round` (official) or `truncate` (miles)",
+                                  choices=UINT8_ROUNDINGS)
+    solver: str = setting("euler", "the rollout's ODE solver: `euler` (miles), or `dpm2`, DPM-Solver++ 2M, "
+                                   "deterministic (official); the evaluation is always Euler", choices=SOLVERS)
+    integer_timesteps: bool = setting(
+        False, "while sampling (rollout and evaluation) the DiT gets long(1000σ), as the official pipeline, instead "
+        "of the float 1000σ; training forwards keep the float")
+
+    def check(self) -> None:
+        for key in ("height", "width"):
+            if getattr(self, key) % 16:
+                raise ConfigError(f"rollout.{key}: must be a multiple of 16, got {getattr(self, key)}")
+        # a chunk within what the reward service takes (its sides and count are the keys' own limits)
+        if self.batch_size * self.height * self.width * 3 > MAX_CHUNK_BYTES:
+            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} images of {self.height}x{self.width} "
+                              f"is more than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
+        samples = self.prompts_per_step * self.samples_per_prompt
+        if self.batch_size > samples:
+            raise ConfigError(f"rollout.batch_size: {self.batch_size} is more than the {samples} samples of a step")
+
+
+@dataclass
+class TrainConfig:
+    finetune: str = setting("lora", "what is trained: `lora` adapters or the `full` DiT", choices=FINETUNES)
+    lora_rank: int = setting(32, "peft LoRA rank", bound="> 0")
+    lora_alpha: int = setting(64, "peft LoRA alpha", bound="> 0")
+    lora_targets: list[str] = setting(ATTENTION_PROJECTIONS, "the modules LoRA adapts (the attention projections)")
+    micro_batch: int = setting(4, "(sample, σ) pairs per forward and backward", bound="> 0")
+    precision: str = setting("fp16", "`fp32`, `fp16` (autocast and a grad scaler) or `bf16` (autocast)",
+                             choices=PRECISIONS)
+    grad_scaler_init: float = setting(65536.0, "fp16: the grad scaler's initial scale", bound="> 0")
+    grad_checkpointing: bool = setting(False, "activation checkpointing of the DiT blocks")
+    seed: int = setting(1234, "the NFT seeds: σ order, corruption noise, LoRA init")
+
+    def check(self) -> None:
+        if not self.lora_targets and self.finetune == "lora":
+            raise ConfigError("train.lora_targets: empty, LoRA would train nothing")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = setting(3e-4, "AdamW learning rate", bound="> 0")
+    weight_decay: float = setting(1e-4, "AdamW weight decay", bound=">= 0")
+    beta1: float = setting(0.9, "AdamW β1", bound="[0, 1]")
+    beta2: float = setting(0.999, "AdamW β2", bound="[0, 1]")
+    eps: float = setting(1e-8, "AdamW ε", bound=">= 0")
+    grad_clip: float = setting(1.0, "gradient norm clip (inf: none)", bound="> 0", infinite=True)
+
+
+@dataclass
+class EMAConfig:
+    ramp: float = setting(0.001, "old policy θ_old ← δ θ_old + (1 − δ) θ with δ = min(ramp · (k − flat_steps), "
+                                 "max) after optimizer step k", bound=">= 0")
+    max: float = setting(0.5, "the old policy's largest decay δ", bound=(">= 0", "[0, 1]"))
+    flat_steps: int = setting(0, "steps of decay `ema.flat_decay` before the ramp", bound=">= 0")
+    flat_decay: float = setting(0.0, "the old policy's decay for the first `ema.flat_steps` steps",
+                                bound=(">= 0", "[0, 1]"))
+
+
+@dataclass
+class EvalConfig:
+    every: int = setting(30, "evaluate every this many steps (0: no periodic evaluation; `eval.at_end` still "
+                             "applies)", bound=">= 0")
+    num_steps: int = setting(50, "Euler steps of the evaluation's sampler", bound="> 0")
+    num_prompts: int = setting(0, "evaluation prompts (0: the whole eval prompt file)", bound=">= 0")
+    seed: int = setting(42, "the evaluation's noise seed")
+    at_end: bool = setting(True, "evaluate at the last step")
+    at_start: bool = setting(False, "evaluate before the first step of a run (not on resume)")
+    policy: str = setting("old", "the evaluated weights: `old` (π_old, the rollout policy) or `ema`, an EMA of θ of "
+                                 "its own (official), checkpointed", choices=EVAL_POLICIES)
+    ema_decay: float = setting(0.9, "`eval.policy = \"ema\"`: decay min((1 + k) / (10 + k), ema_decay) after "
+                                    "optimizer step k", bound="[0, 1]")

@@ -1,0 +1,82 @@
+"""The `[reward]` section and its terms (`[[reward.terms]]`), and the kinds of term: which module
+loads each (hpcnft.rewards.registry imports it only when a term of that kind is used, so this
+module, and with it the config, imports no torch)."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from hpcnft.common.config import setting
+from hpcnft.common.errors import ConfigError
+
+# kind -> the module whose load(term, cfg, device) makes its RewardTerm
+MODULES = {
+    "pickscore": "hpcnft.rewards.pickscore",
+    "hpsv2": "hpcnft.rewards.hpsv2",
+    "clipscore": "hpcnft.rewards.clipscore",
+    "aesthetic": "hpcnft.rewards.aesthetic",
+    "jpeg_compressibility": "hpcnft.rewards.jpeg",
+    "jpeg_incompressibility": "hpcnft.rewards.jpeg",
+    "remote": "hpcnft.rewards.remote",
+}
+TERM_KINDS = tuple(MODULES)
+TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# A remote term's token_env: the variable holding its shared secret. Only HPCNFT_ names, so that a
+# recipe from elsewhere cannot send another secret of the environment (a cloud key) to its url.
+REWARD_TOKEN_ENV = "HPCNFT_REWARD_TOKEN"
+TOKEN_ENV = re.compile(r"HPCNFT_[A-Z0-9_]{1,100}")
+
+
+@dataclass
+class RewardTermConfig:
+    """One reward term (`[[reward.terms]]` in a recipe); see docs/rewards.md."""
+    kind: str = setting("pickscore", "what scores the images (docs/rewards.md describes each kind)", choices=TERM_KINDS)
+    name: str = setting("", "the metric name (`rollout/reward/<name>/*`, `eval/<name>_*`; lower-case letters, "
+                            "digits and _); empty: the kind")
+    weight: float = setting(1.0, "the term's weight in the training reward")
+    eval_only: bool = setting(False, "scored at evaluation only, not part of the training reward")
+    model_dir: str = setting("", "the term's model folder; empty: the kind's tiny model")
+    processor_dir: str = setting("", "the term's processor (tokenizer) folder; empty: the kind's own (mostly `model_dir`)")
+    weights: str = setting("", "a checkpoint file the kind needs beside its folder (hpsv2, aesthetic)")
+    url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)")
+    timeout_s: float = setting(60.0, "remote: seconds to wait for a reply; may change on resume, with a warning")
+    retries: int = setting(2, "remote: how often a failed request is retried; may change on resume, with a warning")
+    token_env: str = setting(
+        REWARD_TOKEN_ENV, "remote: the environment variable (`HPCNFT_...`) holding the server's shared secret; "
+        "\"\": send none")
+
+
+@dataclass
+class RewardConfig:
+    scale: float = setting(1.0, "training reward = scale × Σ weight × term over the training terms (−1: a control "
+                                "run that should lower it); `eval/<term>_*` report the plain term")
+    terms: list[RewardTermConfig] = setting(
+        [], "the reward terms, each a table (`[[reward.terms]]`, keys below; see [Reward terms](rewards.md)); "
+        "empty: PickScore alone, from `models.pickscore_dir`")
+
+    def check(self) -> None:
+        names = []
+        for i, t in enumerate(self.terms):
+            key = f"reward.terms[{i}]"
+            if t.kind not in TERM_KINDS:
+                raise ConfigError(f"{key}.kind: {t.kind!r} is not one of {', '.join(TERM_KINDS)}")
+            name = t.name or t.kind
+            if not TERM_NAME.fullmatch(name):
+                raise ConfigError(f"{key}.name: {name!r} must be lower-case letters, digits and _ (a metric name)")
+            if name in names:
+                raise ConfigError(f"{key}.name: {name!r} names two terms (give each its own name)")
+            names.append(name)
+            if not math.isfinite(t.weight):
+                raise ConfigError(f"{key}.weight: must be a finite number, got {t.weight!r}")
+            if not (math.isfinite(t.timeout_s) and t.timeout_s > 0):
+                raise ConfigError(f"{key}.timeout_s: must be > 0, got {t.timeout_s!r}")
+            if t.retries < 0:
+                raise ConfigError(f"{key}.retries: must be >= 0, got {t.retries!r}")
+            if t.token_env and not TOKEN_ENV.fullmatch(t.token_env):
+                raise ConfigError(f"{key}.token_env: {t.token_env!r} must name an environment variable HPCNFT_... "
+                                  "(upper-case letters, digits and _), or be \"\" to send no token")
+            if t.kind == "remote" and not re.match(r"https?://", t.url):
+                raise ConfigError(f"{key}.url: a remote term needs an http:// or https:// URL, got {t.url!r}")
+        if self.terms and all(t.eval_only for t in self.terms):
+            raise ConfigError("reward.terms: every term is eval_only, nothing would be trained on")
