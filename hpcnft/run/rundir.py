@@ -97,40 +97,29 @@ def finished_line(run_dir: str, step: int) -> str:
     return f"{run_dir} already finished at step {step}; nothing to run (--steps N with N > {step} continues it)"
 
 
-def check_existing_run(cfg) -> int | None:
-    """What the run dir already holds, read without torch (the spawner's check; rank 0 plans
-    the resume from the checkpoints themselves, resume.agree_plan). With no checkpoint, a run.h5
-    there must be a run file of this config, which the run appends to. Returns the step a
-    finished run ended at: its run.h5 says it finished at cfg.steps or later, with this config
-    (what may change on resume aside), and that step's checkpoint is complete; else None."""
+def check_existing_run(cfg) -> None:
+    """What the spawner checks of a run dir that already holds a run, without torch. With no
+    checkpoint, a run.h5 there must be a run file of this config, which the run appends to. With
+    checkpoints, rank 0 plans the resume from them (resume.agree_plan: it alone can tell an
+    intact checkpoint from a damaged one) and says, before any model loads, when the run is
+    finished, when its config differs and when run.h5 is lost with no copy to rebuild it from."""
     from hpcnft.common.errors import ConfigError
     from hpcnft.io.runfile import RunFileError, read_run
-    from hpcnft.run.config_changes import config_changes, differing_keys
+    from hpcnft.run.config_changes import differing_keys
 
     path = os.path.join(cfg.run_dir, "run.h5")
-    checkpoints = os.path.join(cfg.run_dir, "checkpoints")
+    if not os.path.lexists(path) or os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
+        return
     try:
-        if not os.path.lexists(path):
-            return None
-        if not os.path.isdir(checkpoints):
-            stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
-            diff = differing_keys(stored, cfg.to_dict())
-            if diff:
-                raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
-                                 f"({', '.join(diff[:5])}); choose another --run-dir")
-            return None
-        run = read_run(path)
-        done = [e["step"] for e in run.events if e["kind"] == "done"]
-        if not done or done[-1] < cfg.steps or config_changes(run.config, cfg.to_dict()):
-            return None
-        complete = os.path.join(checkpoints, f"step_{done[-1]:06d}", "COMPLETE")  # io.checkpoint's layout
-        return done[-1] if os.path.exists(complete) else None
+        stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
+    except RunFileError as e:
+        raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    except RunFileError as e:
-        if os.path.isdir(checkpoints):
-            return None  # rank 0 plans from the checkpoints, and rebuilds run.h5 from one
-        raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
+    diff = differing_keys(stored, cfg.to_dict())
+    if diff:
+        raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
+                         f"({', '.join(diff[:5])}); choose another --run-dir")
 
 
 def check_run_dir(path: str) -> None:

@@ -2,7 +2,7 @@
 
 With no launcher in the environment this process is the local spawner: it checks the input
 once (config, layout against the world size, prompt files, model folders, run dir and its
-lock), says a finished run is finished, and starts the layout's ranks as new interpreters
+lock) and starts the layout's ranks as new interpreters
 running `python -m hpcnft.run.rank` (distributed.spawner), holding the run dir's lock until
 rank 0 takes it over. A GPU job's spawner imports no torch: the ranks load it and the models,
 and build the tiny models (once, under a file lock). Where no rank can use a GPU the spawner
@@ -22,7 +22,7 @@ from hpcnft.distributed.config import local_world_size
 from hpcnft.distributed.detect import detect
 from hpcnft.distributed.launch import LaunchError, roles
 from hpcnft.run.failures import FailureClaim
-from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, finished_line, lock_run_dir,
+from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, lock_run_dir,
                                resume_command)
 
 
@@ -65,10 +65,7 @@ def spawn_job(cfg, recipe: str, overrides: list[str], steps: int | None) -> int:
         print(f"hpcnft: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        finished = check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
-        if finished is not None:  # said before any rank starts
-            print(f"hpcnft: {finished_line(cfg.run_dir, finished)}", flush=True)
-            return 0
+        check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
         code = spawn_ranks(cfg, recipe, overrides, steps, rank0_fd=(INHERITED_FD_ENV, lock.fd))
     finally:
         lock.release()
@@ -103,14 +100,14 @@ def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0
     train, reward = roles(world, cfg.layout.reward_ranks)
     print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
           flush=True)
-    early = preempt.early_signal()
+    entry = rank_entry(cfg) if ranks_can_fork(cfg.layout.device) else None  # seconds of imports
+    early = preempt.early_signal()  # a stop signal until now (catch_early kept it) is acted on here
     if early:
         print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     claim = FailureClaim(cfg.run_dir)
     claim.clear()
     resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
-    entry = rank_entry(cfg) if ranks_can_fork(cfg.layout.device) else None
     code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
                        lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, entry=entry,
                        resume_hint=f"`{resume}`", failure_claim=claim)
