@@ -1,12 +1,12 @@
 """The local spawner: with no launcher in the environment, `hpcnft run` starts the layout's
 ranks itself, as new interpreters running `python -m hpcnft.run.rank` (or, where no rank can
-use a GPU, forked from the spawner once it has imported their libraries), passes signals on to
-them, and decides the job's exit code; and what its ranks do about it (their process name,
-their end when the spawner dies). Standard library only: a GPU job's spawner imports no torch."""
+use a GPU, forked by a fork server that imported their libraries once, and adopted), passes
+signals on to them, and decides the job's exit code; and what its ranks do about it (their
+process name, their end when the spawner dies). Standard library only: no torch."""
 from __future__ import annotations
 
-import atexit
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -17,11 +17,12 @@ import time
 from hpcnft.distributed import preempt
 
 RANK_COMMAND = (sys.executable, "-m", "hpcnft.run.rank")
+FORK_SERVER_COMMAND = (sys.executable, "-m", "hpcnft.distributed.fork_server")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SPAWNER_PID_ENV = preempt.SPAWNER_PID_ENV  # set by spawn_local for its ranks
 STOP_CODES = (75, 130)  # a rank's exit after a stop signal: preempted (checkpointed), interrupted
 BAD_INPUT_CODE = 2
-PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
 
 def free_port() -> int:
@@ -74,54 +75,28 @@ def torch_is_cpu_only() -> bool:
 
 
 def ranks_can_fork(device: str) -> bool:
-    """Whether the local spawner may fork its ranks from itself (having imported their libraries)
-    instead of starting new interpreters: only when no rank can use a GPU (CUDA does not survive a
-    fork), known without importing torch: layout.device cpu, or a CPU-only torch. The caller runs
-    no torch operation before the fork (a GNU OpenMP pool started before a fork hangs the
-    children); a GPU job's spawner imports no torch at all."""
-    return device == "cpu" or (device == "auto" and torch_is_cpu_only())
+    """Whether the ranks may be forked by a fork server (distributed.fork_server) that imported
+    their libraries once, instead of each starting a new interpreter: only when no rank can use a
+    GPU (CUDA does not survive a fork), known without importing torch: layout.device cpu, or a
+    CPU-only torch; and on Linux, where this process can adopt them (a child subreaper)."""
+    return sys.platform.startswith("linux") and (device == "cpu" or (device == "auto" and torch_is_cpu_only()))
 
 
-class ForkedRank:
-    """A rank forked from the spawner, which has imported what a rank imports, so the rank
-    starts without importing torch, diffusers and transformers again; `entry(argv)` is what
-    `python -m hpcnft.run.rank ARGV` runs. Polled and signalled as a Popen."""
+def become_subreaper() -> bool:
+    """Have the ranks a fork server forks become this process's children when the server exits
+    (Linux's child subreaper), so that they are waited on and signalled as its own."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
-    def __init__(self, entry, argv: list[str], env: dict[str, str], keep_fds: tuple[int, ...],
-                 close_fds: tuple[int, ...]):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the rank: never returns into the spawner's frames
-            self._run_rank(entry, argv, env, keep_fds, close_fds)
+
+class AdoptedRank:
+    """A rank forked by the fork server and adopted by this process. Polled and signalled as a
+    Popen."""
+
+    def __init__(self, pid: int):
         self.pid, self.returncode = pid, None
-
-    @staticmethod
-    def _run_rank(entry, argv, env, keep_fds, close_fds) -> None:
-        code = 1
-        try:
-            for fd in close_fds:
-                if fd not in keep_fds:
-                    os.close(fd)
-            for s in FORWARDED_SIGNALS:  # the spawner's handlers are not the rank's
-                signal.signal(s, signal.SIG_DFL)
-            preempt.catch_early(interrupt=True)  # until the rank's PreemptFlag takes over
-            os.environ.clear()
-            os.environ.update(env)
-            code = entry(argv)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit 1
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            try:
-                atexit._run_exitfuncs()  # what an interpreter's exit runs: libraries' handlers, logging
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -138,37 +113,85 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
+def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]],
+               fds: list[tuple[int, ...]], close_fds: tuple[int, ...]) -> list[AdoptedRank] | str:
+    """Start the fork server (distributed.fork_server) with `fork` = (prepare, entry) specs, let
+    it import the ranks' libraries, then have it fork one rank per env: the adopted ranks. A
+    stop signal that came while it imported (preempt.catch_early kept it) forks nothing: its
+    name is returned instead."""
+    if not become_subreaper():
+        raise RuntimeError("cannot adopt forked ranks (prctl PR_SET_CHILD_SUBREAPER failed)")
+    request_r, request_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    server = subprocess.Popen([*FORK_SERVER_COMMAND, "--request-fd", str(request_r), "--reply-fd", str(reply_w),
+                               "--spawner-pid", str(os.getpid())],
+                              pass_fds=(request_r, reply_w, *close_fds))
+    os.close(request_r)
+    os.close(reply_w)
+    with os.fdopen(request_w, "w") as requests, os.fdopen(reply_r, "r") as replies:
+        requests.write(json.dumps({"prepare": fork[0], "entry": fork[1], "argv": argv, "close_fds": list(close_fds),
+                                   "ranks": [{"env": env, "keep_fds": list(keep)} for env, keep in zip(envs, fds)]})
+                       + "\n")
+        requests.flush()
+        ready = replies.readline()
+        early = preempt.early_signal()
+        if ready and not early:
+            requests.write("go\n")
+            requests.flush()
+            pids = json.loads(replies.readline() or "{}").get("pids")
+        else:
+            pids = None
+    code = server.wait()
+    if early:
+        return early
+    if not pids:
+        raise RuntimeError(f"the fork server failed ({describe_exit(code)}) before it started the ranks")
+    return [AdoptedRank(pid) for pid in pids]
+
+
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = RANK_COMMAND,
-                rank0_fd: tuple[str, int] | None = None, entry=None, resume_hint: str = "",
-                failure_claim=None) -> int:
+                rank0_fd: tuple[str, int] | None = None, fork: tuple[str, str] | None = None,
+                resume_hint: str = "", failure_claim=None) -> int:
     """Run `python -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
     `rank0_fd` (variable name, descriptor): an open file rank 0 inherits, its number in that
-    variable. With `entry` (run.rank's main), the ranks are forked from this process and run
-    `entry(argv)` (see ranks_can_fork), else each is a new interpreter running `command` `argv`.
+    variable. With `fork` = ("module:prepare", "module:entry"), a fork server runs prepare(argv)
+    once and forks the ranks, which run entry(argv) (see ranks_can_fork); else each rank is a new
+    interpreter running `command` `argv`. A stop signal that came before the ranks started
+    (preempt.catch_early kept it) starts none: `preempted_code`.
 
     A first SIGINT (Ctrl-C) reaches every rank, which checkpoints at the end of its step and
     exits 130; a second one kills them at once, with `resume_hint` (how to resume) said.
     `failure_claim` (run.failures.FailureClaim of the run dir): the ranks' claim of the job's
     first failure; the spawner claims it for a rank killed by a signal (which cannot), and names
     its holder as the rank that failed rather than the first one it saw exit."""
+
+    def say(text: str) -> None:
+        print(f"hpcnft: {text}", file=sys.stderr, flush=True)
+
     port = free_port()
-    procs = []
+    envs, fds = [], []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
-        fds = ()
         if rank0_fd:
             env.pop(rank0_fd[0], None)
         if rank == 0 and rank0_fd:
-            env[rank0_fd[0]], fds = str(rank0_fd[1]), (rank0_fd[1],)
-        if entry is not None:
-            procs.append(ForkedRank(entry, argv, env, fds, (rank0_fd[1],) if rank0_fd else ()))
-        else:
-            procs.append(subprocess.Popen([*command, *argv], env=env, pass_fds=fds))
+            env[rank0_fd[0]] = str(rank0_fd[1])
+        envs.append(env)
+        fds.append((rank0_fd[1],) if rank == 0 and rank0_fd else ())
+    early = preempt.early_signal()
+    if fork is not None and not early:
+        procs = fork_ranks(fork, argv, envs, fds, (rank0_fd[1],) if rank0_fd else ())
+        early = procs if isinstance(procs, str) else ""
+    elif not early:
+        procs = [subprocess.Popen([*command, *argv], env=env, pass_fds=keep) for env, keep in zip(envs, fds)]
+    if early:
+        say(f"{early} before the ranks started: nothing to save")
+        return preempted_code
 
     received: list[int] = []  # in order; the loop below says what they did
 
@@ -185,9 +208,6 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         if code == -signal.SIGKILL:
             return received.count(signal.SIGINT) > 1
         return code < 0 and -code in received
-
-    def say(text: str) -> None:
-        print(f"hpcnft: {text}", file=sys.stderr, flush=True)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     first_failure: tuple[int, int] | None = None

@@ -4,11 +4,11 @@ With no launcher in the environment this process is the local spawner: it checks
 once (config, layout against the world size, prompt files, model folders, run dir and its
 lock) and starts the layout's ranks as new interpreters
 running `python -m hpcnft.run.rank` (distributed.spawner), holding the run dir's lock until
-rank 0 takes it over. A GPU job's spawner imports no torch: the ranks load it and the models,
-and build the tiny models (once, under a file lock). Where no rank can use a GPU the spawner
-imports the ranks' libraries once and forks them instead (a tiny 3-rank job starts about 6 s
-sooner on 2 cores). Under torchrun, srun, mpirun or submitit this process is one rank of the
-job (run.entry.rank_main)."""
+rank 0 takes it over. The spawner imports no torch: the ranks load it and the models, and
+build the tiny models (once, under a file lock). Where no rank can use a GPU, a fork server
+(distributed.fork_server) imports the ranks' libraries once and forks them instead, and the
+spawner adopts them (a tiny 3-rank job starts several seconds sooner on 2 cores). Under
+torchrun, srun, mpirun or submitit this process is one rank of the job (run.entry.rank_main)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,6 @@ import sys
 from hpcnft.algo.root_config import load_config
 from hpcnft.common import collector
 from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError, UsageError
-from hpcnft.distributed import preempt
 from hpcnft.distributed.config import local_world_size
 from hpcnft.distributed.detect import detect
 from hpcnft.distributed.launch import LaunchError, roles
@@ -100,30 +99,12 @@ def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0
     train, reward = roles(world, cfg.layout.reward_ranks)
     print(f"hpcnft: run dir {cfg.run_dir} | {world} rank(s): train {train}, reward {reward or 'colocated'}",
           flush=True)
-    entry = rank_entry(cfg) if ranks_can_fork(cfg.layout.device) else None  # seconds of imports
-    early = preempt.early_signal()  # a stop signal until now (catch_early kept it) is acted on here
-    if early:
-        print(f"hpcnft: {early} before the ranks started: nothing to save", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
+    fork = ("hpcnft.run.rank:preload", "hpcnft.run.rank:main") if ranks_can_fork(cfg.layout.device) else None
     claim = FailureClaim(cfg.run_dir)
     claim.clear()
     resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
     code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
-                       lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, entry=entry,
-                       resume_hint=f"`{resume}`", failure_claim=claim)
+                       lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, fork=fork,
+                       preempted_code=EXIT_PREEMPTED, resume_hint=f"`{resume}`", failure_claim=claim)
     sys.stdout.flush()
     return code
-
-
-def rank_entry(cfg):
-    """Import what every rank of this job imports, once, for ranks forked from this process
-    (distributed.spawner.ForkedRank); returns the rank's entry, which they run. No torch
-    operation runs here: the ranks build the tiny models themselves."""
-    from hpcnft.models.loading import import_libraries
-    from hpcnft.run import rank
-    import hpcnft.run.entry  # noqa: F401 - the rank's own modules
-
-    collector.hold_off()
-    import_libraries(cfg)
-    collector.settle()  # frozen: the ranks' collections never walk (nor copy) the shared objects
-    return rank.main

@@ -69,24 +69,57 @@ def test_a_rank_killed_by_a_signal_is_named_before_the_ranks_that_noticed_its_de
     assert "rank 1 (train) failed: killed by SIGKILL" in err and "rank 0" not in err
 
 
-def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(capfd):
-    def entry(argv):
-        raise RuntimeError("boom in rank " + os.environ["RANK"])
-    assert spawn_local([], 3, role, entry=entry) == 1
+@pytest.fixture
+def fork_entries(monkeypatch):
+    """The fork server finds tests/fork_entries.py by name."""
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    return lambda name, prepare="prepare": (f"fork_entries:{prepare}", f"fork_entries:{name}")
+
+
+def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(capfd, fork_entries):
+    assert spawn_local([], 3, role, fork=fork_entries("boom")) == 1
     err = capfd.readouterr().err
     assert "RuntimeError: boom in rank" in err and "Traceback" in err
 
 
-def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path):
+def test_forked_ranks_run_the_exit_handlers_their_interpreter_would(tmp_path, fork_entries):
     """atexit handlers a rank registers run when it ends (libraries close their files there)."""
-    def entry(argv):
-        import atexit
-
-        rank = os.environ["RANK"]
-        atexit.register(lambda: (tmp_path / f"closed-{rank}").write_text(rank))
-        return 0
-    assert spawn_local([], 3, role, entry=entry) == 0
+    assert spawn_local([str(tmp_path)], 3, role, fork=fork_entries("close_at_exit")) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["closed-0", "closed-1", "closed-2"]
+
+
+def test_the_fork_server_prepares_once_and_the_spawner_adopts_its_ranks(capfd, fork_entries):
+    """One prepare for all ranks, in a process that is gone once they run: each rank's parent is
+    the spawner, which waits on it as its own child."""
+    assert spawn_local([], 3, role, fork=fork_entries("report")) == 0
+    out = capfd.readouterr().out.splitlines()
+    prepared = [line for line in out if line.startswith("prepared in ")]
+    ranks = sorted(line.split() for line in out if line.startswith("rank "))
+    assert len(prepared) == 1 and int(prepared[0].split()[-1]) != os.getpid()
+    assert [r[1] for r in ranks] == ["0", "1", "2"]
+    assert {r[5] for r in ranks} == {str(os.getpid())}  # adopted by this process
+    assert len({r[3] for r in ranks}) == 3
+
+
+def test_a_stop_signal_while_the_fork_server_imports_starts_no_rank(capfd, fork_entries):
+    """SIGTERM to the spawner before its ranks exist (kept by preempt.catch_early): the server
+    forks nothing, the job ends 75 saying so."""
+    import signal
+
+    from hpcnft.distributed import preempt
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        preempt.catch_early()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert spawn_local([], 3, role, fork=fork_entries("report")) == 75
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        preempt._early.clear()
+    captured = capfd.readouterr()
+    assert "SIGTERM before the ranks started: nothing to save" in captured.err
+    assert "rank " not in captured.out
 
 
 def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
@@ -103,15 +136,14 @@ def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("device,forked", [("cpu", True), ("cuda", False)])
-def test_a_cpu_jobs_spawner_forks_its_ranks_into_their_entry_a_gpu_jobs_imports_no_torch(tmp_path, device, forked):
-    """`hpcnft run` with no launcher, up to the moment it starts the ranks: a GPU job's spawner
-    has imported no torch (its ranks are new interpreters running hpcnft.run.rank); a CPU job's
-    has imported the ranks' libraries, and forks ranks that enter hpcnft.run.rank's main."""
+def test_the_spawner_imports_no_torch_and_a_cpu_jobs_ranks_are_forked_into_their_entry(tmp_path, device, forked):
+    """`hpcnft run` with no launcher, up to the moment it starts the ranks: the spawner has
+    imported no torch, for a GPU job (its ranks are new interpreters running hpcnft.run.rank)
+    and a CPU job alike (a fork server preloads hpcnft.run.rank and forks ranks into its main)."""
     probe = ("import json, sys\n"
              "from hpcnft.distributed import spawner\n"
-             "def record(argv, world, role_of, entry=None, **kw):\n"
-             "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world,\n"
-             "                      'entry': entry and f'{entry.__module__}.{entry.__name__}',\n"
+             "def record(argv, world, role_of, fork=None, **kw):\n"
+             "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world, 'fork': fork,\n"
              "                      'command': list(kw.get('command', spawner.RANK_COMMAND))}))\n"
              "    return 0\n"
              "spawner.spawn_local = record\n"
@@ -124,8 +156,8 @@ def test_a_cpu_jobs_spawner_forks_its_ranks_into_their_entry_a_gpu_jobs_imports_
                         f"layout.device={device}"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout.splitlines()[-1])
-    assert seen == {"torch": forked, "argv": ["tiny", "--run-dir", run_dir, "--set", f"layout.device={device}"],
-                    "world": 3, "entry": "hpcnft.run.rank.main" if forked else None,
+    assert seen == {"torch": False, "argv": ["tiny", "--run-dir", run_dir, "--set", f"layout.device={device}"],
+                    "world": 3, "fork": ["hpcnft.run.rank:preload", "hpcnft.run.rank:main"] if forked else None,
                     "command": [sys.executable, "-m", "hpcnft.run.rank"]}
 
 

@@ -1,0 +1,28 @@
+"""Entries for ranks forked by the fork server in tests/unit/distributed/test_spawn_local.py
+(the server imports them by name: they must live in a module)."""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+
+def prepare(argv):
+    print(f"prepared in {os.getpid()}", flush=True)
+
+
+def boom(argv):
+    raise RuntimeError("boom in rank " + os.environ["RANK"])
+
+
+def close_at_exit(argv):
+    rank = os.environ["RANK"]
+    atexit.register(lambda: open(os.path.join(argv[0], f"closed-{rank}"), "w").write(rank))
+    return 0
+
+
+def report(argv):
+    """Each rank says who it is, who its parent is and what it inherited, then exits 0."""
+    line = f"rank {os.environ['RANK']} pid {os.getpid()} ppid {os.getppid()} modules {'torch' in sys.modules}\n"
+    os.write(1, line.encode())  # one write: the ranks' lines never interleave
+    return 0
