@@ -67,7 +67,8 @@ class Learner:
         self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
         self.family = family_of(pipe.transformer)
         self.encoder = PromptEncoder(pipe, cfg.rollout.max_sequence_length, topo.device,
-                                     cfg=cfg.rollout.guidance_scale > 1.0 and self.family.cfg_guidance)
+                                     cfg=cfg.rollout.guidance_scale > 1.0 and self.family.cfg_guidance,
+                                     offload=cfg.perf.text_encoders == "offload")
         self._server_totals = (0.0, 0.0)
         self.noise_ahead = NoiseAhead()
         self.ceiling = matmul_ceiling(topo.device, policy.compute_dtype)
@@ -101,7 +102,7 @@ class Learner:
                     x0, cond = self._generate(self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g),
                                               self.sigmas, noise.result(), cfg.rollout.solver)
                 with span("rollout/decode"):
-                    images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding)
+                    images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding, cfg.perf.vae_decode_batch)
                 with span("rollout/reward_submit"):
                     pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
                 # What training needs stays on the train device (no copies back per micro-batch).
@@ -214,7 +215,8 @@ class Learner:
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
                 x0, _ = self._generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
                 if real:
-                    images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding)
+                    images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
+                                             cfg.perf.vae_decode_batch)
                     pending.append((real, self.client.submit(EVAL, 0, images, real)))
         local = [(i, row) for ids, p in pending for i, row in zip(ids, self.client.collect(p).tolist())]
         everyone = [None] * len(self.topo.train_ranks) if self.group is not None else None

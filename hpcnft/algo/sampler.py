@@ -59,23 +59,43 @@ class Conditioning:
 
 
 class PromptEncoder:
-    """Encodes prompts one at a time (so batching never changes an embedding) and caches them."""
+    """Encodes prompts one at a time (so batching never changes an embedding) and caches them.
+    `offload` (perf.text_encoders): the text encoders wait in CPU memory and come to `device`
+    only while prompts not yet cached are encoded; the cache is in CPU memory too."""
 
-    def __init__(self, pipe, max_sequence_length: int, device: torch.device, cfg: bool, cache_size: int = 4096):
+    def __init__(self, pipe, max_sequence_length: int, device: torch.device, cfg: bool, cache_size: int = 4096,
+                 offload: bool = False):
         self.pipe, self.msl, self.device, self.cfg = pipe, max_sequence_length, device, cfg
         self.family = family_of(pipe.transformer)
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.cache_size = cache_size
+        self.offload = offload
 
     @torch.no_grad()
+    def _encode_missing(self, prompts: list[str]) -> None:
+        missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
+        if not missing:
+            return
+        encoders = self.family.text_encoders(self.pipe) if self.offload else []
+        for enc in encoders:
+            enc.to(self.device)
+        try:
+            for prompt in missing:
+                if len(self.cache) >= self.cache_size:
+                    self.cache.pop(next(iter(self.cache)))
+                pe, pooled = self.family.encode_prompt(self.pipe, prompt, self.msl, self.device)
+                self.cache[prompt] = (pe.cpu(), pooled.cpu()) if self.offload else (pe, pooled)
+        finally:
+            for enc in encoders:
+                enc.to("cpu")
+
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if prompt not in self.cache:
-            if len(self.cache) >= self.cache_size:
-                self.cache.pop(next(iter(self.cache)))
-            self.cache[prompt] = self.family.encode_prompt(self.pipe, prompt, self.msl, self.device)
-        return self.cache[prompt]
+        self._encode_missing([prompt])
+        pe, pooled = self.cache[prompt]
+        return (pe.to(self.device), pooled.to(self.device)) if self.offload else (pe, pooled)
 
     def __call__(self, prompts: list[str]) -> Conditioning:
+        self._encode_missing(prompts + ([""] if self.cfg else []))  # the encoders come to the device once
         pos = [self._encode_one(p) for p in prompts]
         cond = Conditioning(torch.cat([p[0] for p in pos]), torch.cat([p[1] for p in pos]))
         if self.cfg:
@@ -144,9 +164,12 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
 
 
 @torch.no_grad()
-def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round") -> torch.Tensor:
+def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round", batch: int = 0) -> torch.Tensor:
     """VAE decode of (unpacked) latents to uint8 images [B, H, W, 3] on the CPU: the VAE's scaling
-    and shift as SD3's and FLUX's pipelines undo them."""
+    and shift as SD3's and FLUX's pipelines undo them. `batch` > 0 (perf.vae_decode_batch):
+    decode that many at a time (the decoder's activations are the largest of the rollout's)."""
+    if 0 < batch < len(latents):
+        return torch.cat([decode_to_uint8(vae, part, rounding) for part in latents.split(batch)])
     z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
     img = vae.decode(z, return_dict=False)[0].float()
     img = (img / 2 + 0.5).clamp(0, 1) * 255.0

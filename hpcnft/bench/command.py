@@ -6,6 +6,7 @@ import os
 import sys
 
 from hpcnft.bench.levers import expand_levers, fast_overrides
+from hpcnft.bench.memory_caps import parse_caps
 from hpcnft.bench.report import markdown
 from hpcnft.bench.run import Bench
 from hpcnft.bench.shapes import REAL_SHAPES, SHAPES
@@ -59,6 +60,13 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="measure 'hpcnft fast' at its own rollout batch and micro-batch only, not also at the "
                         "eager stack's (fewer compiles)")
     p.add_argument("--no-default", action="store_true", help="skip the 'hpcnft default' stack")
+    p.add_argument("--memory-cap-gib", dest="memory_caps", type=parse_caps, default=[], metavar="N[,N]",
+                   help="after 'hpcnft fast', run its phases and iteration again with the process capped at N GiB "
+                        "of GPU memory, once per N, at the settings hpcnft.perf.memory has for a card that size "
+                        "(recorded with memory_cap_gib, the peak and the times in the JSON)")
+    p.add_argument("--text-encoders", choices=["embeddings", "real"], default="embeddings",
+                   help="what the whole iteration encodes prompts with: fixed random embeddings (default), or "
+                        "SD3.5's CLIP-L, CLIP-G and T5-XXL at their real shapes (11 GB more, and their time)")
     p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
     p.add_argument("--profile", metavar="DIR",
                    help="after the 'hpcnft fast' phases, profile one rollout forward and one train-pairs call "
@@ -82,6 +90,10 @@ def main(name: str, args: argparse.Namespace) -> int:
     for over in expand_levers(args.levers, dev, S) + [fast_over] + [
             {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:
         bench_config(S, dev, over)  # bad specs and config values fail before anything is built
+    if args.memory_caps and dev.type != "cuda":
+        raise UsageError("--memory-cap-gib caps GPU memory and needs a CUDA device")
+    if args.text_encoders == "real" and S.family != "sd3":
+        raise UsageError(f"--text-encoders real: SD3's encoders only, not with --shapes {args.shapes}")
     if args.json:
         d = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(d):

@@ -10,6 +10,7 @@ import time
 
 from hpcnft.bench.eager import EagerStack
 from hpcnft.bench.levers import expand_levers, fast_overrides
+from hpcnft.bench.memory_caps import run_caps
 from hpcnft.bench.report import _fmt_ms, environment, targets
 from hpcnft.bench.shapes import TRAIN_K, Shapes, _torch
 from hpcnft.bench.stack import HpcnftStack, _toml
@@ -209,7 +210,9 @@ class Bench:
             self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), self.iteration_for("eager"),
                            {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
             self.free(eager)
-        fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.perf.levers.FAST", S, dev, fast_over)
+        real_text = args.text_encoders == "real"
+        fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.perf.levers.FAST", S, dev, fast_over,
+                           real_text=real_text)
         # the largest baseline shapes too, so fast and eager meet at one shape (and mb16's memory is read)
         fb = {fast_b} if args.own_shapes else {fast_b, max(S.rollout_batches)}
         fm = {fast_mb} if args.own_shapes else {fast_mb, max(S.micro_batches)}
@@ -241,6 +244,8 @@ class Bench:
         if args.profile:
             self.profile(fast, rec, max(fb), max(fm))
         self.free(fast)
+        if args.memory_caps:
+            run_caps(self, args.memory_caps, fast_over, real_text)
         for change in expand_levers(args.variants, dev, S, "--variant"):
             if self.over_budget():
                 self.doc["skipped"].append(f"variant {change} (budget)")

@@ -69,8 +69,9 @@ def bench_config(S: Shapes, dev, overrides: dict):
 class HpcnftStack:
     """The package's code path: Policy + Trainer + Learner, sampler and reward functions."""
 
-    def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict):
+    def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict, real_text: bool = False):
         self.key, self.label, self.S, self.dev = key, label, S, dev
+        self.real_text = real_text  # SD3.5's text encoders at their real shapes (bench.text_encoders)
         self.overrides = dict(overrides)
         self.cfg = bench_config(S, dev, overrides)
         self.config = {"overrides": {k: v for k, v in overrides.items()}}
@@ -126,7 +127,13 @@ class HpcnftStack:
 
             policy = self.policy
             topo = Topology(0, 1, 0, [0], [], "bench", "nccl" if self.dev.type == "cuda" else "gloo", self.dev)
-            pipe = _Pipe(policy.transformer, self.vae, self.S, self.dtype, self.dev)
+            if self.real_text:
+                from hpcnft.bench.text_encoders import real_text_pipeline
+
+                pipe = real_text_pipeline(self.S, policy.transformer, self.vae, scheduler(self.S), self.dtype, self.dev,
+                                          offload=self.cfg.perf.text_encoders == "offload")
+            else:
+                pipe = _Pipe(policy.transformer, self.vae, self.S, self.dtype, self.dev)
             self._tr = Learner(self.cfg, topo, None, world1_mesh(self.dev), LocalRewardClient(self._score_fn()),
                                pipe, policy, self.trainer)
         return self._tr

@@ -41,3 +41,21 @@ def check_folder(key: str, path: str, required: tuple[str, ...]) -> None:
     for rel in required:
         if not any(os.path.exists(os.path.join(path, alt)) for alt in rel.split("|")):
             raise ModelError(f"{key}: {path!r} is incomplete, {rel.replace('|', ' or ')} is missing")
+
+
+# transformer/config.json's (_class_name, num_layers) -> the real model it is (hpcnft bench --shapes)
+REAL_MODELS = {("SD3Transformer2DModel", 24): "sd35m", ("SD3Transformer2DModel", 38): "sd35l",
+               ("FluxTransformer2DModel", 19): "flux1dev"}
+
+
+def real_model(path: str) -> str:
+    """Which real model a pipeline folder holds, read from its transformer's config.json without
+    loading anything ("" for any other, the tiny models included)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "transformer", "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    return REAL_MODELS.get((config.get("_class_name"), config.get("num_layers")), "")

@@ -25,6 +25,7 @@ ATTENTION_BACKENDS = {"default": None, "flash": "FLASH_ATTENTION", "cudnn": "CUD
 VAE_DECODE_DTYPES = ("auto", "fp32", "fp16", "bf16")  # auto: as loaded (perf.towers.VAE_DTYPES has the others)
 PICKSCORE_DTYPES = ("fp32", "fp16")
 PREPROCESS = ("cpu", "device")
+TEXT_ENCODER_PLACES = ("device", "offload")
 # Levers written for SD3's joint attention and blocks (perf.fused_qkv, perf.epilogue, perf.fp8)
 SD3_ONLY_LEVERS = ("fuse_qkv", "fused_lora", "gelu_epilogue", "rollout_fp8", "v_old_fp8")
 
@@ -121,3 +122,16 @@ class PerfConfig:
         "backward and the KL reference keep their precision; SD3 only. Numerics: fp8 rounding of the NFT loss's "
         "old velocity: `hpcnft bench` reports the cost in v_old, loss and gradient (`v_old_fp8_cost`, also against "
         "fp32 arithmetic); with π_old == π_θ the two branches no longer agree bit for bit")
+    text_encoders: str = setting(
+        "device", "where the text encoders (SD3's CLIP-L, CLIP-G and T5-XXL: about 11 GB in fp16) live: `device`, "
+        "or `offload`: in CPU memory, moved to the GPU only to encode prompts not yet encoded, and back, with the "
+        "prompt embeddings kept in CPU memory (memory lever: the DiT's GPU holds no encoder between encodings). "
+        "Numerics: identical", choices=TEXT_ENCODER_PLACES)
+    vae_decode_batch: int = setting(
+        0, "the rollout's VAE decode in slices of this many images (0: a rollout batch at once) (memory lever: "
+        "the decoder's activations grow with the batch). Numerics: conv batch size changes rounding", bound=">= 0")
+    memory_budget_gib: float = setting(
+        0.0, "GiB of GPU memory each train rank may use (0: no budget). Checked before any model loads against "
+        "what `hpcnft bench --memory-cap-gib` measured (hpcnft.perf.memory): settings measured to need more, or "
+        "that need at least as much as a measured setting over the budget, exit 2 naming the settings that fit",
+        bound=">= 0")

@@ -33,7 +33,8 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
     determinism.seed_globals(cfg.train.seed)
     paths = resolve_model_paths(cfg)
     family = base_family(cfg)
-    pipe = family.load(paths.base, torch.float32, topo.device)
+    offload = cfg.perf.text_encoders == "offload"
+    pipe = family.load(paths.base, torch.float32, topo.device, torch.device("cpu") if offload else None)
     levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.device.type == "cuda" and cfg.train.precision != "fp32":
         dtype = torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16

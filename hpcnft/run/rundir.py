@@ -4,6 +4,7 @@ config, and that the prompt files and model folders are there."""
 from __future__ import annotations
 
 import os
+import sys
 import shlex
 import time
 
@@ -47,6 +48,25 @@ def check_input(cfg, world_size: int | None = None) -> None:
     except (ModelError, PromptFileError) as e:
         raise UsageError(str(e)) from None
     check_trackers(cfg)
+    check_memory_budget(cfg)
+
+
+def check_memory_budget(cfg) -> None:
+    """perf.memory_budget_gib against what the bench measured for the base model (hpcnft.perf.
+    memory), read from its folder's config: refused in one line, or a note, before any model loads."""
+    if not cfg.perf.memory_budget_gib:
+        return
+    from hpcnft.models.folders import real_model
+    from hpcnft.perf import memory
+
+    folder = cfg.models.flux_dir if cfg.models.family == "flux" else cfg.models.sd3_dir
+    model = real_model(folder) if folder else ""
+    refusal, note = memory.check_budget(memory.settings_of(cfg), model or "these models", cfg.perf.memory_budget_gib,
+                                        memory.rungs(model))
+    if refusal:
+        raise UsageError(refusal)
+    if note:
+        print(f"hpcnft: {note}", file=sys.stderr, flush=True)
     check_run_dir(cfg.run_dir)
 
 

@@ -29,9 +29,10 @@ class Family:
     def model_dir(self, models_cfg) -> str:
         return getattr(models_cfg, self.dir_key.split(".", 1)[1])
 
-    def load(self, path: str, dtype: torch.dtype, device: torch.device):
+    def load(self, path: str, dtype: torch.dtype, device: torch.device, text_encoder_device=None):
         """The family's real diffusers pipeline from a local folder (safetensors only), every
-        part on `device`, frozen and in eval mode."""
+        part on `device` (the text encoders on `text_encoder_device` where given), frozen and in
+        eval mode."""
         check_folder(self.dir_key, path, self.required)
         quiet_libraries()
         import diffusers
@@ -44,7 +45,9 @@ class Family:
         except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
             raise ModelError(f"{self.dir_key}: cannot load {path!r} ({one_line(e)})") from None
         pipe.set_progress_bar_config(disable=True)
-        for part in (*self.text_encoders(pipe), pipe.vae, pipe.transformer):
+        for part in self.text_encoders(pipe):  # perf.text_encoders="offload": kept in CPU memory
+            part.to(text_encoder_device or device).requires_grad_(False).eval()
+        for part in (pipe.vae, pipe.transformer):
             part.to(device).requires_grad_(False).eval()
         return pipe
 

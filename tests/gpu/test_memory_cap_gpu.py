@@ -1,0 +1,39 @@
+"""Under a GPU memory cap (`hpcnft bench --memory-cap-gib`): a tiny iteration with the text
+encoders offloaded and the VAE in slices, and SD3.5-M's real-shape train step at the 24 GB
+rung's settings, each run and recorded as fitting; a tiny 2+1 job with offloaded encoders ends
+bit-identical to one without."""
+from __future__ import annotations
+
+import json
+
+from jobs import assert_same_metrics, hpcnft
+
+NCCL = ["--set", "layout.device=cuda", "--set", "layout.backend=nccl", "--set", "layout.emulate_hosts=true",
+        "--set", "layout.timeout_s=60"]
+
+
+def test_a_tiny_iteration_runs_under_a_cap_with_its_encoders_offloaded(tmp_path, hpcnft_cache):
+    out = tmp_path / "caps.json"
+    hpcnft("bench", "--shapes", "tiny", "--no-default", "--phases", "iteration", "--text-encoders", "real",
+           "--set", "perf.text_encoders=\"offload\"", "--set", "perf.vae_decode_batch=2",
+           "--memory-cap-gib", "2", "--json", str(out), timeout=600)
+    doc = json.loads(out.read_text())
+    [entry] = doc["memory_caps"]
+    assert entry["memory_cap_gib"] == 2 and entry["fits"] and 0 < entry["peak_gib"] <= 2
+    assert entry["overrides"]["perf.text_encoders"] == "offload" and entry["iteration_s"] > 0
+
+
+def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache):
+    out = tmp_path / "caps.json"
+    hpcnft("bench", "--shapes", "sd35m", "--no-default", "--phases", "train", "--own-shapes",
+           "--memory-cap-gib", "24", "--json", str(out), timeout=600)
+    entry = json.loads(out.read_text())["memory_caps"][0]
+    assert entry["recipe"] == "sd35m_pickscore_24gb" and entry["fits"] and entry["peak_gib"] <= 24
+
+
+def test_offloaded_text_encoders_change_no_bit_of_a_tiny_job(tmp_path, hpcnft_cache):
+    runs = [str(tmp_path / name) for name in ("device", "offload")]
+    for run_dir, place in zip(runs, ("device", "offload")):
+        hpcnft("run", "tiny", "--steps", "2", "--run-dir", run_dir, *NCCL, "--set", f"perf.text_encoders=\"{place}\"",
+               timeout=600)
+    assert_same_metrics(*runs)

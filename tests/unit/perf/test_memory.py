@@ -1,0 +1,128 @@
+"""The memory budget (hpcnft.perf.memory): the fastest measured rung within a budget, the
+refusal of settings that need more, before any model loads; the per-card recipes are the rungs;
+the text encoders offloaded between encodings; the VAE decoded in slices."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hpcnft.algo.root_config import load_config
+from hpcnft.perf import memory
+
+# made-up peaks and times, fastest first (the committed ones are the bench's: memory_rungs.json)
+MEASURED = {"sd35m": {"80": {"peak_gib": 70.0, "iteration_s": 15.0}, "48": {"peak_gib": 41.0, "iteration_s": 17.0},
+                      "40": {"peak_gib": 33.0, "iteration_s": 19.0}, "24": {"peak_gib": 20.0, "iteration_s": 30.0}}}
+LADDER = memory.with_measurements(memory.CANDIDATES, MEASURED)["sd35m"]
+
+
+def settings(recipe: str, *overrides: str) -> dict:
+    return memory.settings_of(load_config(recipe, list(overrides)))
+
+
+def test_the_budget_takes_the_fastest_measured_rung_within_it():
+    assert [memory.fastest_within(LADDER, b).card_gib for b in (80, 75, 45, 40, 35, 24, 20)] == \
+        [80, 80, 48, 40, 40, 24, 24]  # by measured peak, not by card size
+    assert memory.fastest_within(LADDER, 19.9) is None
+    assert memory.fastest_within(memory.CANDIDATES["sd35m"], 80) is None  # nothing measured: nothing chosen
+
+
+@pytest.mark.parametrize("card", [24, 40, 48, 80])
+def test_each_cards_recipe_holds_its_rungs_settings_and_budget(card):
+    rung = next(r for r in memory.CANDIDATES["sd35m"] if r.card_gib == card)
+    cfg = load_config(rung.recipe)
+    assert memory.settings_of(cfg) == rung.settings
+    assert cfg.perf.memory_budget_gib == card
+    assert memory.check_budget(memory.settings_of(cfg), "sd35m", card, LADDER) == ("", "")
+
+
+def test_settings_measured_over_the_budget_are_refused_naming_what_fits():
+    refusal, note = memory.check_budget(settings("sd35m_pickscore_80gb"), "sd35m", 24, LADDER)
+    assert refusal == ("perf.memory_budget_gib = 24: these settings measured 70.0 GiB per GPU; within 24 GiB: "
+                       "recipe sd35m_pickscore_24gb: 20.0 GiB, 30.0 s per iteration") and not note
+
+
+def test_settings_at_least_a_measured_rung_over_the_budget_are_refused():
+    # the 40 GB rung with a bigger rollout batch: at least its 33 GiB
+    refusal, _ = memory.check_budget(settings("sd35m_pickscore_40gb", "rollout.batch_size=32"), "sd35m", 24, LADDER)
+    assert refusal.startswith("perf.memory_budget_gib = 24: these settings need at least what sd35m_pickscore_40gb's "
+                              "measured, 33.0 GiB per GPU; within 24 GiB: recipe sd35m_pickscore_24gb")
+    # the reference recipe keeps its encoders on the GPU and checkpoints: not known to need 33, not known to fit
+    refusal, note = memory.check_budget(settings("sd35m_pickscore"), "sd35m", 24, LADDER)
+    assert not refusal and note.startswith("perf.memory_budget_gib = 24: these sd35m settings were not measured; "
+                                           "the fastest measured within the budget is recipe sd35m_pickscore_24gb")
+
+
+def test_a_budget_below_every_measurement_names_the_smallest_need():
+    refusal, _ = memory.check_budget(settings("sd35m_pickscore_24gb"), "sd35m", 16, LADDER)
+    assert refusal == ("perf.memory_budget_gib = 16: no measured sd35m setting fits 16 GiB per GPU; the smallest "
+                       "measured need is 20.0 GiB (sd35m_pickscore_24gb)")
+
+
+def test_a_model_without_measurements_is_not_checked():
+    assert memory.check_budget(settings("tiny"), "these models", 8, ()) == \
+        ("", "perf.memory_budget_gib = 8: no measured settings for these models: the budget is not checked")
+
+
+@pytest.mark.parametrize("change,more", [
+    ({"rollout.batch_size": 16}, True), ({"train.micro_batch": 2}, False), ({"train.grad_checkpointing": False}, True),
+    ({"perf.text_encoders": "device"}, True), ({"perf.vae_decode_batch": 0}, True), ({"perf.old_pass_batch": 0}, False),
+    ({"train.finetune": "full"}, True), ({"rollout.height": 256}, False)])
+def test_settings_need_at_least_a_rung_when_they_are_at_least_its_in_every_respect(change, more):
+    rung = next(r for r in LADDER if r.card_gib == 24)
+    assert memory.needs_at_least(rung.settings, rung)
+    assert memory.needs_at_least({**rung.settings, **change}, rung) is more
+
+
+def test_the_committed_measurements_are_the_bench_jsons():
+    """memory_rungs.json holds what docs/bench's JSON of each rung recorded, for the candidates."""
+    with open(memory.MEASURED) as f:
+        committed = json.load(f)
+    root = os.path.dirname(os.path.dirname(memory.__file__))
+    for model, cards in committed.items():
+        rungs = {str(r.card_gib): r for r in memory.CANDIDATES[model]}
+        for card, got in cards.items():
+            with open(os.path.join(os.path.dirname(root), got["source"])) as f:
+                doc = json.load(f)
+            entry = next(e for e in doc["memory_caps"] if e["recipe"] == rungs[card].recipe and e["fits"])
+            assert entry["settings"] == rungs[card].settings
+            assert (got["peak_gib"], got["iteration_s"]) == (round(entry["peak_gib"], 1), round(entry["iteration_s"], 1))
+
+
+def test_offloaded_text_encoders_come_to_the_device_only_to_encode_new_prompts(tiny_models):
+    from hpcnft.algo.sampler import PromptEncoder
+    from hpcnft.models.families import family_named
+
+    family = family_named("sd3")
+    pipe = family.load(tiny_models[0], torch.float32, torch.device("cpu"), torch.device("cpu"))
+    moves = []
+    for enc in family.text_encoders(pipe):
+        to = enc.to
+        enc.to = lambda *a, _to=to, **k: (moves.append(str(a[0])), _to(*a, **k))[1]
+    plain = PromptEncoder(pipe, 16, torch.device("cpu"), cfg=True)(["a cat", "a dog"])
+    offloaded = PromptEncoder(pipe, 16, torch.device("cpu"), cfg=True, offload=True)
+    first = offloaded(["a cat", "a dog"])
+    assert moves == ["cpu"] * 6  # each encoder to the device and back, once for all three prompts ("" for CFG)
+    again = offloaded(["a dog", "a cat"])
+    assert len(moves) == 6  # all cached: the encoders stay where they are
+    assert torch.equal(plain.prompt_embeds, first.prompt_embeds) and torch.equal(plain.pooled, first.pooled)
+    assert torch.equal(first.prompt_embeds, again.prompt_embeds.flip(0))
+    assert torch.equal(plain.neg_prompt_embeds, again.neg_prompt_embeds)
+    assert all(pe.device.type == "cpu" for pe, _ in offloaded.cache.values())
+
+
+def test_the_vae_decodes_in_slices_of_the_batch_it_is_given(tiny_models):
+    from hpcnft.algo.sampler import decode_to_uint8
+    from hpcnft.models.families import family_named
+
+    vae = family_named("sd3").load(tiny_models[0], torch.float32, torch.device("cpu")).vae
+    sizes = []
+    decode = vae.decode
+    vae.decode = lambda z, **k: (sizes.append(len(z)), decode(z, **k))[1]
+    latents = torch.randn(5, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    whole = decode_to_uint8(vae, latents)
+    sliced = decode_to_uint8(vae, latents, batch=2)
+    assert sizes == [5, 2, 2, 1] and sliced.shape == whole.shape
+    assert (sliced.int() - whole.int()).abs().max() <= 1  # conv batch size may change a rounding
