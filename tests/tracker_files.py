@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 import zlib
 
@@ -62,13 +63,18 @@ def wandb_offline_runs(run_dir: str) -> list[str]:
 
 def wandb_history(run_folder: str) -> tuple[str, list[dict]]:
     """(run id, history rows) of one offline run folder; a row is {key: value} with `_step`, an
-    image as its {"_type": "image-file", "path": ...} summary."""
+    image as its {"_type": "image-file", "path": ...} summary. The run id is the one wandb names
+    the folder and its file by (offline-run-DATE-ID[-N]/run-ID.wandb: what `wandb sync` uploads as);
+    every run record that carries an id must carry that one."""
     (path,) = glob.glob(os.path.join(run_folder, "run-*.wandb"))
-    run_id, rows = "", []
+    run_id = os.path.basename(path)[len("run-"):-len(".wandb")]
+    folder = os.path.basename(run_folder)  # a second start within the same second gets a "-N" suffix
+    assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?", folder), run_folder
+    rows = []
     for rec in wandb_records(path):
         kind = rec.WhichOneof("record_type")
         if kind == "run":  # the run's record, and later updates of it that may leave the id unset
-            run_id = run_id or rec.run.run_id
+            assert rec.run.run_id in ("", run_id), (path, rec.run.run_id)
         elif kind == "history":
             row: dict = {}
             for item in rec.history.item:

@@ -182,6 +182,9 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service has written the run's file (it buffers): the
+        # service's shutdown waits for it, so the file is whole when the job goes on or exits.
+        self._wandb.teardown()
         _write_state(self.state_path, {"id": self.run_id, "last_step": self.last_logged})
 
 

@@ -256,3 +256,29 @@ def test_missing_package_names_the_pip_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module as not importable
     assert missing_package("wandb") == ("logging.trackers: 'wandb' needs the wandb package, which is not "
                                         "installed (pip install 'hpcnft[wandb]')")
+
+
+def test_a_closed_wandb_run_is_whole_on_disk_at_once(tmp_path, offline):
+    """In a fresh interpreter (where wandb's service writes its file after finish() returns), the
+    run's file holds every row the moment close() returns: a job that exits then loses nothing."""
+    pytest.importorskip("wandb")
+    import subprocess
+
+    script = ("import sys\n"
+              "import numpy as np\n"
+              "from PIL import Image  # noqa: F401 - as a job has it imported\n"
+              "from hpcnft.io.trackers import WandbTracker\n"
+              "t = WandbTracker(sys.argv[1], {})\n"
+              "for step in (1, 2):\n"
+              "    t.log_row(step, {'train/nft_loss': float(step)})\n"
+              "t.log_image(2, 'samples', np.zeros((8, 8, 3), np.uint8))\n"
+              "t.close()\n"
+              "from tracker_files import wandb_history, wandb_offline_runs\n"
+              "(folder,) = wandb_offline_runs(sys.argv[1])\n"
+              "print([row['_step'] for row in wandb_history(folder)[1]])\n")
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-2] == "[1, 2]"
