@@ -26,3 +26,7 @@ def report(argv):
     line = f"rank {os.environ['RANK']} pid {os.getpid()} ppid {os.getppid()} modules {'torch' in sys.modules}\n"
     os.write(1, line.encode())  # one write: the ranks' lines never interleave
     return 0
+
+
+def broken_prepare(argv):
+    raise ImportError("no module named 'diffusers'")

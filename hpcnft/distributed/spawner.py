@@ -185,7 +185,11 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         fds.append((rank0_fd[1],) if rank == 0 and rank0_fd else ())
     early = preempt.early_signal()
     if fork is not None and not early:
-        procs = fork_ranks(fork, argv, envs, fds, (rank0_fd[1],) if rank0_fd else ())
+        try:
+            procs = fork_ranks(fork, argv, envs, fds, (rank0_fd[1],) if rank0_fd else ())
+        except (OSError, RuntimeError) as e:  # its traceback, if any, is above
+            say(f"cannot start the ranks: {e}")
+            return 1
         early = procs if isinstance(procs, str) else ""
     elif not early:
         procs = [subprocess.Popen([*command, *argv], env=env, pass_fds=keep) for env, keep in zip(envs, fds)]

@@ -102,6 +102,14 @@ def test_the_fork_server_prepares_once_and_the_spawner_adopts_its_ranks(capfd, f
     assert len({r[3] for r in ranks}) == 3
 
 
+def test_a_fork_server_that_cannot_import_starts_no_rank_and_says_why(capfd, fork_entries):
+    assert spawn_local([], 3, role, fork=fork_entries("report", prepare="broken_prepare")) == 1
+    captured = capfd.readouterr()
+    assert "ImportError: no module named 'diffusers'" in captured.err
+    assert "hpcnft: cannot start the ranks: the fork server failed (exit code 1) before it started the ranks" \
+        in captured.err and "rank " not in captured.out
+
+
 def test_a_stop_signal_while_the_fork_server_imports_starts_no_rank(capfd, fork_entries):
     """SIGTERM to the spawner before its ranks exist (kept by preempt.catch_early): the server
     forks nothing, the job ends 75 saying so."""
