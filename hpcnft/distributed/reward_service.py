@@ -9,8 +9,9 @@ rank scores chunk j while chunk j+1 is being made. Messages:
            n = 1 when the run stops for preemption; ERROR adds a uint8[MSG_BYTES] message;
            SNAPSHOT asks the reward rank to write its RNG state into step's checkpoint.
   reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n, T]
-           (one column per reward term of the request's kind: `columns`) and uint8[MSG_BYTES] message (SNAPSHOT: header and message only). `preempt` tells the
-           train ranks that the reward rank got the preemption signal. The message of a
+           (one column per reward term of the request's kind: `columns`) and uint8[MSG_BYTES]
+           message (SNAPSHOT: header and message only). `preempt` tells the train ranks
+           that the reward rank got the preemption signal. The message of a
            failure is its reason; of a success, the warnings the terms gave while scoring
            the chunk (hpcnft.common.term_warnings), one a line, which the client keeps for
            its rank to report (`take_warnings`).
