@@ -46,7 +46,8 @@ class RewardTermConfig:
                             "digits and _); empty: the kind")
     weight: float = setting(1.0, "the term's weight in the training reward")
     eval_only: bool = setting(False, "scored at evaluation only, not part of the training reward")
-    model_dir: str = setting("", "the term's model folder; empty: the kind's tiny model")
+    model_dir: str = setting("", "the term's model folder; empty: the kind's tiny model (ocr: none, its models come "
+                                 "with its extra)")
     processor_dir: str = setting("", "the term's processor (tokenizer) folder; empty: the kind's own (mostly `model_dir`)")
     weights: str = setting("", "a checkpoint file the kind needs beside its folder (hpsv2, aesthetic)")
     url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)")
