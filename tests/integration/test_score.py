@@ -1,7 +1,7 @@
 """`hpcnft score`: image files scored by the terms' own code, one line per image and term or one
-JSON document; a run's sample grid scored cell by cell against the prompts its cells were made
-from (their mean is the run's rollout reward of that step); bad files and missing prompts one
-line and exit 2."""
+JSON document, each file with its prompt; a run's sample grid scored cell by cell against the
+prompts its cells were made from (their mean is the run's rollout reward of that step); bad files
+and missing prompts one line and exit 2."""
 from __future__ import annotations
 
 import json
@@ -48,22 +48,18 @@ def test_a_drawn_sign_scores_high_and_noise_low_with_the_ocr_term(tmp_path):
     assert r.stderr == ""
 
 
-def test_json_gives_each_images_prompt_and_scores(tmp_path):
+def test_a_runs_sample_grid_is_scored_against_the_prompts_of_its_cells(tiny_run, tmp_path):
+    grid = os.path.join(tiny_run.run_dir, "samples", "step_000001.png")
     files = [noise(tmp_path / "a.png"), noise(tmp_path / "b.png")]
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("first prompt\nsecond prompt\n")
-    r = hpcnft("score", "--term", "jpeg_compressibility", "--prompts", str(prompts), "--json", *files)
-    doc = json.loads(r.stdout)
-    assert doc["terms"] == ["jpeg_compressibility"] and doc["warnings"] == []
-    got = [(row["image"], row["prompt"]) for row in doc["images"]]
-    assert got == list(zip(files, ["first prompt", "second prompt"]))
-    assert all(row["scores"]["jpeg_compressibility"] < 0 for row in doc["images"])
-
-
-def test_a_runs_sample_grid_is_scored_against_the_prompts_of_its_cells(tiny_run):
-    grid = os.path.join(tiny_run.run_dir, "samples", "step_000001.png")
-    r = hpcnft("score", "--json", grid)  # the tiny recipe's term: its tiny PickScore, as the run scored
-    rows = json.loads(r.stdout)["images"]
+    prompts.write_text("first prompt\nsecond prompt\n")  # the plain files' prompts; the grid has its own
+    # the tiny recipe's term: its tiny PickScore, as the run scored
+    doc = json.loads(hpcnft("score", "--json", "--prompts", str(prompts), files[0], grid, files[1]).stdout)
+    assert doc["terms"] == ["pickscore"] and doc["warnings"] == []
+    rows = doc["images"]
+    assert [(row["image"], row["prompt"]) for row in (rows[0], rows[-1])] == [(files[0], "first prompt"),
+                                                                              (files[1], "second prompt")]
+    rows = rows[1:-1]
     run = read_run(tiny_run.run_dir)
     from hpcnft.algo.prompts import train_stream
     from hpcnft.algo.root_config import config_from_dict
