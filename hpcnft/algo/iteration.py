@@ -14,7 +14,7 @@ from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.root_config import Config
-from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, initial_noise
+from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, grid_sample_ids, initial_noise
 from hpcnft.algo.solvers import sample
 from hpcnft.distributed.groups import Topology
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT
@@ -142,10 +142,9 @@ class Learner:
             dist.gather(local, parts, dst=dst, group=self.group)
         if self.topo.rank != dst:
             return None
-        per = self.cfg.samples_per_step // ranks  # rank r owns samples r*per .. (r+1)*per - 1
-        indices = [r * per + j for r in range(ranks) for j in range(share)][:n]
         prompts = self.stream.for_step(step, self.cfg.rollout.prompts_per_step)
         g = self.cfg.rollout.samples_per_prompt
+        indices = grid_sample_ids(self.cfg.samples_per_step, ranks, n)
         return torch.cat([p.cpu() for p in parts])[:n], [prompts[i // g] for i in indices]
 
     def group_keys(self, step: int) -> list[str] | None:

@@ -47,6 +47,7 @@ def make_score_fn(cfg: Config, terms: dict[str, object]):
 
     stream = train_stream(cfg)
     eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+    cfg.reward.check_prompts(stream.prompts, eval_prompts)  # under a launcher, the first check of them
     p, g = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt
     columns = term_columns(cfg)
 

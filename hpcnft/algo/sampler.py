@@ -8,6 +8,7 @@ stable_hash("rollout_noise", seed, k, i), so it does not depend on which rank or
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,12 +185,7 @@ def prompt_grid(images: np.ndarray, prompts: list[str], caption_lines: int = 3) 
     from PIL import Image, ImageDraw, ImageFont
 
     n, h, w, c = images.shape
-    columns: list[tuple[str, list[int]]] = []
-    for i, prompt in enumerate(prompts):
-        if columns and columns[-1][0] == prompt:
-            columns[-1][1].append(i)
-        else:
-            columns.append((prompt, [i]))
+    columns = grid_columns(prompts)
     font = ImageFont.load_default()
     line_h = font.getbbox("Ag")[3] + 2
     head = caption_lines * line_h + 4
@@ -202,6 +198,44 @@ def prompt_grid(images: np.ndarray, prompts: list[str], caption_lines: int = 3) 
         for r, i in enumerate(ids):
             canvas.paste(Image.fromarray(np.ascontiguousarray(images[i])), (q * w, head + r * h))
     return np.asarray(canvas)
+
+
+def grid_columns(prompts: list[str]) -> list[tuple[str, list[int]]]:
+    """The sample grid's columns: (prompt, the indices of its consecutive images)."""
+    columns: list[tuple[str, list[int]]] = []
+    for i, prompt in enumerate(prompts):
+        if columns and columns[-1][0] == prompt:
+            columns[-1][1].append(i)
+        else:
+            columns.append((prompt, [i]))
+    return columns
+
+
+def grid_cells(grid: np.ndarray, prompts: list[str], height: int, width: int, caption_lines: int = 3) -> np.ndarray:
+    """prompt_grid undone: the [n, height, width, 3] images of a grid made of images whose
+    prompts were `prompts`. ValueError where the grid's size does not fit them."""
+    from PIL import ImageFont
+
+    columns = grid_columns(prompts)
+    font = ImageFont.load_default()
+    head = caption_lines * (font.getbbox("Ag")[3] + 2) + 4
+    rows = max(len(ids) for _, ids in columns)
+    if grid.shape != (head + rows * height, len(columns) * width, 3):
+        raise ValueError(f"a grid of {grid.shape[1]}x{grid.shape[0]} pixels is not one of {len(prompts)} images of "
+                         f"{width}x{height} in {len(columns)} columns")
+    out = np.empty((len(prompts), height, width, 3), dtype=np.uint8)
+    for q, (_, ids) in enumerate(columns):
+        for r, i in enumerate(ids):
+            out[i] = grid[head + r * height:head + (r + 1) * height, q * width:(q + 1) * width]
+    return out
+
+
+def grid_sample_ids(samples_per_step: int, train_ranks: int, n: int) -> list[int]:
+    """The samples of a step the sample grid of up to n images shows, in its order: an equal
+    share from each train rank (rank r owns samples r*per .. (r+1)*per - 1)."""
+    per = samples_per_step // train_ranks
+    share = min(per, math.ceil(n / train_ranks))
+    return [r * per + j for r in range(train_ranks) for j in range(share)][:n]
 
 
 def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:

@@ -24,7 +24,8 @@ Trainer.step, micro-batch 4/16) and one whole
 iteration of the recipe (64 samples x 10 steps at 512 px, 64 decodes and PickScores, 576 pairs).
 `--phases reward_terms` (not a default phase) adds the other reward terms on one iteration's
 images in the fast stack: HPSv2, CLIP score, aesthetic (random-weight towers at the real shapes,
-fp32, as a job loads them) and JPEG size.
+fp32, as a job loads them), JPEG size and OCR (the real PP-OCRv4 of the `ocr` extra, on one CPU
+thread, on 512² images that show their prompt's text, at every shapes).
 `--profile DIR` adds a torch.profiler table and a kernel summary of the "hpcnft fast" rollout
 forward and train pairs.
 

@@ -55,7 +55,8 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--phases", type=_phase_list, default=list(DEFAULT_PHASES), metavar="NAME[,NAME]",
                    help=f"measure only these phases of every stack (default: {','.join(DEFAULT_PHASES)}); "
                         "e.g. 'iteration' for whole iterations alone; 'reward_terms': the HPSv2, CLIP score, "
-                        "aesthetic and JPEG size terms beside PickScore, in the fast stack")
+                        "aesthetic, JPEG size and OCR terms beside PickScore, in the fast stack (OCR: the real "
+                        "recognizer of the ocr extra, on 512-pixel images with text)")
     p.add_argument("--own-shapes", action="store_true",
                    help="measure 'hpcnft fast' at its own rollout batch and micro-batch only, not also at the "
                         "eager stack's (fewer compiles)")

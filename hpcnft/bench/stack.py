@@ -188,11 +188,11 @@ class HpcnftStack:
     def reward_term(self, kind: str, n: int):
         """One of the other reward terms (bench.terms) on n images with their prompts, its
         preprocessing included. Smooth images, as decoded ones are: the JPEG size's time
-        depends on the content."""
-        from hpcnft.bench.terms import build_term
+        depends on the content; the OCR term's show their prompt's text (bench.terms.text_images)."""
+        from hpcnft.bench.terms import build_term, text_images
 
         term, self.term_towers[kind] = build_term(self.S, kind, self.dev)
-        images, prompts = smooth_images(self.S, n), prompt_list(n)
+        prompts, images = text_images(n) if kind == "ocr" else (prompt_list(n), smooth_images(self.S, n))
         return (lambda: term(prompts, images)), contextlib.nullcontext
 
     def preprocess_cost(self, n: int) -> dict:

@@ -3,13 +3,47 @@ class (HPSv2Scorer, ClipScoreTerm, AestheticTerm, JpegSize) around a random-weig
 the shapes' config (sd35m: open_clip's ViT-H-14 for HPSv2, openai's ViT-L/14 for CLIP score and
 aesthetic), with the tiny models' CLIP tokenizers and processors, whose preprocessing sizes are
 the real ones. The towers are float32 on the device, as a job loads them; no perf lever
-touches these terms."""
+touches these terms. The OCR term is the real one (its models come with the `ocr` extra), on the
+CPU as a reward rank runs it (one thread, determinism.cpu_threads), or on the GPU where
+onnxruntime-gpu is installed, scoring images of the OCR task's size (512 pixels, whatever the
+shapes: the recognizer's time depends on the image alone) that show their prompt's quoted text."""
 from __future__ import annotations
 
 from hpcnft.bench.shapes import Shapes, _torch
 
-TERMS = ("hpsv2", "clipscore", "aesthetic", "jpeg")
-SEEDS = {"hpsv2": 5, "clipscore": 6, "aesthetic": 7}
+TERMS = ("hpsv2", "clipscore", "aesthetic", "jpeg", "ocr")
+SEEDS = {"hpsv2": 5, "clipscore": 6, "aesthetic": 7, "ocr": 8}
+OCR_SIZE = 512  # sd35m_ocr's images
+OCR_WORDS = ("OPEN LATE", "COFFEE", "SALE", "HELLO WORLD", "EXIT", "FREE HUGS", "BAKERY", "STOP")
+
+
+def text_images(n: int, size: int = OCR_SIZE, seed: int = SEEDS["ocr"]) -> tuple[list[str], object]:
+    """n prompts quoting a word and [n, size, size, 3] uint8 images showing it: dark DejaVu Sans
+    text of 32-72 px at a seeded place on a smooth background (random colours upsampled), as a
+    generated sign might look."""
+    import numpy as np
+    from matplotlib import font_manager
+    from PIL import Image, ImageDraw, ImageFont
+
+    torch = _torch()
+    rng = np.random.default_rng(seed)
+    font_path = font_manager.findfont("DejaVu Sans", fallback_to_default=False)
+    low = torch.from_numpy(rng.uniform(150, 255, (n, 3, 8, 8)).astype(np.float32))
+    backgrounds = torch.nn.functional.interpolate(low, size=(size, size), mode="bilinear", align_corners=False)
+    backgrounds = backgrounds.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    prompts, images = [], []
+    for i in range(n):
+        word = OCR_WORDS[i % len(OCR_WORDS)]
+        font = ImageFont.truetype(font_path, int(rng.integers(32, 73)))
+        im = Image.fromarray(backgrounds[i])
+        draw = ImageDraw.Draw(im)
+        left, top, right, bottom = draw.textbbox((0, 0), word, font=font)
+        x = int(rng.integers(0, max(1, size - (right - left))))
+        y = int(rng.integers(0, max(1, size - (bottom - top))))
+        draw.text((x - left, y - top), word, fill=tuple(int(c) for c in rng.integers(0, 60, 3)), font=font)
+        prompts.append(f'a sign that says "{word}"')
+        images.append(np.asarray(im))
+    return prompts, torch.from_numpy(np.stack(images))
 
 
 def hpsv2_tokenizer():
@@ -61,6 +95,13 @@ def random_clip(config, dev, seed: int):
 def build_term(S: Shapes, kind: str, dev) -> tuple[object, dict]:
     """(the term, what it runs: its parameters by tower, dtype and device)."""
     torch = _torch()
+    if kind == "ocr":
+        from hpcnft.rewards.ocr import OcrTerm, build_engine
+
+        engine = build_engine(dev, threads=1)
+        provider = engine.text_det.infer.session.get_providers()[0]
+        return OcrTerm(engine), {"device": "cuda" if provider.startswith("CUDA") else "cpu", "threads": 1,
+                                 "image_side": OCR_SIZE, "models": "PP-OCRv4 det + rec (rapidocr-onnxruntime)"}
     if kind == "jpeg":
         from hpcnft.rewards.jpeg import JpegSize
 

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-metrics": ("hpcnft.cli.report", "export metrics to CSV or TensorBoard"),
     "export": ("hpcnft.cli.export", "export trained weights of a checkpoint as a diffusers-loadable folder"),
     "reward-server": ("hpcnft.cli.reward_server", "serve reward terms over HTTP for remote terms of other jobs"),
+    "score": ("hpcnft.cli.score", "score image files or a run's sample grids with reward terms, as a reward rank does"),
     "bench": ("hpcnft.bench", "GPU throughput and MFU of each phase beside the plain diffusers/peft stack"),
 }
 

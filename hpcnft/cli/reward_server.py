@@ -107,9 +107,9 @@ def required_token(args, environ=os.environ) -> str | None:
     return token
 
 
-def served_terms(names: list[str], cfg) -> list:
+def served_terms(names: list[str], cfg, allow_remote: bool = False) -> list:
     """The RewardTermConfig of each TERM: the recipe's term of that name, else that kind's
-    defaults. UsageError for an unknown name or a remote term."""
+    defaults. UsageError for an unknown name, or a remote term unless `allow_remote`."""
     from dataclasses import replace
 
     from hpcnft.rewards.config import RewardTermConfig
@@ -125,8 +125,10 @@ def served_terms(names: list[str], cfg) -> list:
         else:
             raise UsageError(f"unknown term {name!r}: not a term of the recipe ({', '.join(configured)}) "
                              f"nor a kind ({', '.join(SERVED_KINDS)})")
-        if term.kind == "remote":
+        if term.kind == "remote" and not allow_remote:
             raise UsageError(f"term {name!r} is a remote term itself; serve it where it is scored")
+        if term.kind == "remote" and not term.url:
+            raise UsageError(f"term {name!r}: a remote term needs its url (name one of the recipe's reward.terms)")
         out.append(replace(term, name=name))
     return out
 

@@ -9,8 +9,12 @@ rank scores chunk j while chunk j+1 is being made. Messages:
            n = 1 when the run stops for preemption; ERROR adds a uint8[MSG_BYTES] message;
            SNAPSHOT asks the reward rank to write its RNG state into step's checkpoint.
   reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n, T]
-           (one column per reward term of the request's kind: `columns`) and uint8[MSG_BYTES] message (SNAPSHOT: header and message only). `preempt` tells the
-           train ranks that the reward rank got the preemption signal.
+           (one column per reward term of the request's kind: `columns`) and uint8[MSG_BYTES]
+           message (SNAPSHOT: header and message only). `preempt` tells the train ranks
+           that the reward rank got the preemption signal. The message of a
+           failure is its reason; of a success, the warnings the terms gave while scoring
+           the chunk (hpcnft.common.term_warnings), one a line, which the client keeps for
+           its rank to report (`take_warnings`).
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
@@ -28,6 +32,7 @@ preprocessing) and are small beside a step (the recipe's 64 images of 512² are 
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from dataclasses import dataclass
 
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.common.errors import first_line
+from hpcnft.common.term_warnings import collected
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
@@ -42,6 +48,8 @@ OK, FAILED = 0, 1
 MSG_BYTES = 1024
 REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
+
+log = logging.getLogger("hpcnft")
 
 
 class RewardServiceError(RuntimeError):
@@ -58,6 +66,18 @@ def _encode_msg(text: str) -> torch.Tensor:
 def _decode_msg(buf: torch.Tensor) -> str:
     raw = bytes(buf.cpu().tolist())
     return raw.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def warnings_msg(texts: list[str]) -> str:
+    """A chunk's warnings as one reply message: as many whole lines as fit, then how many more."""
+    for kept in range(len(texts), -1, -1):
+        left = len(texts) - kept
+        more = [f"... and {left} more (the reward rank's log has every one)"] if left else []
+        text = "\n".join(texts[:kept] + more)
+        if len(text.encode("utf-8")) <= MSG_BYTES:
+            return text
+    return ""
+
 
 
 def _wait(works, timeout_s: float, what: str) -> None:
@@ -111,6 +131,7 @@ class RemoteRewardClient:
         self.dst, self.group, self.timeout_s, self.columns = reward_rank, group, timeout_s, dict(columns)
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
         self.peer_preempt = False
+        self.warnings: list[str] = []  # the terms' warnings from the replies, until taken
 
     def _send(self, t: torch.Tensor, tag: int):
         return dist.isend(t, self.dst, group=self.group, tag=tag)
@@ -137,7 +158,15 @@ class RemoteRewardClient:
             raise RewardServiceError(f"reward rank {p.reward_rank} failed: {_decode_msg(p.msg)}")
         self.server_busy_s, self.server_idle_s = p.header[2].item() / 1e6, p.header[3].item() / 1e6
         self.peer_preempt = self.peer_preempt or bool(p.header[4].item())
+        text = _decode_msg(p.msg)
+        if text:
+            self.warnings += text.split("\n")
         return p.scores
+
+    def take_warnings(self) -> list[str]:
+        """The terms' warnings of the chunks collected since the last call."""
+        taken, self.warnings = self.warnings, []
+        return taken
 
     def snapshot(self, step: int) -> None:
         """Have the reward rank write its RNG state into the checkpoint of `step`."""
@@ -174,6 +203,7 @@ class LocalRewardClient:
         self.score_fn = score_fn
         self.server_busy_s = self.server_idle_s = 0.0
         self.peer_preempt = False
+        self.warnings: list[str] = []  # the terms' warnings, until taken
         self._pool = None
         if overlap:
             from concurrent.futures import ThreadPoolExecutor
@@ -182,9 +212,17 @@ class LocalRewardClient:
 
     def _timed(self, *args) -> torch.Tensor:
         t0 = time.perf_counter()
-        scores = self.score_fn(*args)
+        with collected() as found:
+            scores = self.score_fn(*args)
         self.server_busy_s += time.perf_counter() - t0
+        self.warnings += found
         return scores
+
+    def take_warnings(self) -> list[str]:
+        """The terms' warnings of the chunks scored since the last call (call it once every
+        submitted chunk is collected)."""
+        taken, self.warnings = self.warnings, []
+        return taken
 
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]):
         if self._pool is not None:
@@ -272,11 +310,14 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
             images = recv(torch.empty((n, height, width, 3), dtype=torch.uint8), ready)
             idx = recv(torch.empty(n, dtype=torch.int64), ready)
             try:
-                scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu().contiguous()
+                with collected() as found:
+                    scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu().contiguous()
                 if tuple(scores.shape) != (n, columns[kind]):
                     raise RewardServiceError(f"scores of shape {tuple(scores.shape)} for {n} images and "
                                              f"{columns[kind]} reward terms")
-                status, text = OK, ""
+                for warning in found:
+                    log.warning("step %d: %s", step, warning)
+                status, text = OK, warnings_msg(found)
             except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
                 on_failure()
                 scores, status, text = torch.zeros((n, columns[kind])), FAILED, f"{type(e).__name__}: {e}"

@@ -3,6 +3,8 @@ loads each (hpcnft.rewards.registry imports it only when a term of that kind is 
 module, and with it the config, imports no torch)."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -18,9 +20,17 @@ MODULES = {
     "aesthetic": "hpcnft.rewards.aesthetic",
     "jpeg_compressibility": "hpcnft.rewards.jpeg",
     "jpeg_incompressibility": "hpcnft.rewards.jpeg",
+    "ocr": "hpcnft.rewards.ocr",
     "remote": "hpcnft.rewards.remote",
 }
 TERM_KINDS = tuple(MODULES)
+# What a kind needs beyond hpcnft's own dependencies: kind -> (its extra, the modules it imports)
+EXTRAS = {"ocr": ("ocr", ("rapidocr_onnxruntime", "onnxruntime", "Levenshtein"))}
+# Kinds that read something of every prompt: kind -> the torch-free module whose
+# check_prompts(prompts, key, term) refuses a prompt the kind cannot score
+PROMPT_CHECKS = {"ocr": "hpcnft.rewards.ocr_text"}
+# Kinds whose models come with their package: no model_dir, processor_dir or weights
+BUNDLED = ("ocr",)
 TERM_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 # A remote term's token_env: the variable holding its shared secret. Only HPCNFT_ names, so that a
 # recipe from elsewhere cannot send another secret of the environment (a cloud key) to its url.
@@ -36,7 +46,8 @@ class RewardTermConfig:
                             "digits and _); empty: the kind")
     weight: float = setting(1.0, "the term's weight in the training reward")
     eval_only: bool = setting(False, "scored at evaluation only, not part of the training reward")
-    model_dir: str = setting("", "the term's model folder; empty: the kind's tiny model")
+    model_dir: str = setting("", "the term's model folder; empty: the kind's tiny model (ocr: none, its models come "
+                                 "with its extra)")
     processor_dir: str = setting("", "the term's processor (tokenizer) folder; empty: the kind's own (mostly `model_dir`)")
     weights: str = setting("", "a checkpoint file the kind needs beside its folder (hpsv2, aesthetic)")
     url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)")
@@ -78,5 +89,31 @@ class RewardConfig:
                                   "(upper-case letters, digits and _), or be \"\" to send no token")
             if t.kind == "remote" and not re.match(r"https?://", t.url):
                 raise ConfigError(f"{key}.url: a remote term needs an http:// or https:// URL, got {t.url!r}")
+            for field in ("model_dir", "processor_dir", "weights"):
+                if t.kind in BUNDLED and getattr(t, field):
+                    raise ConfigError(f"{key}.{field}: the {t.kind} term's models come with its extra "
+                                      f"(hpcnft[{EXTRAS[t.kind][0]}]); leave it empty")
         if self.terms and all(t.eval_only for t in self.terms):
             raise ConfigError("reward.terms: every term is eval_only, nothing would be trained on")
+
+    def check_prompts(self, train: list[str], evaluation: list[str]) -> None:
+        """ConfigError (one line) where a term could not score a prompt it will get: an `ocr`
+        term one without double-quoted text. Training terms score the training and the
+        evaluation prompts, eval_only ones the evaluation prompts."""
+        for t in self.terms:
+            if t.kind in PROMPT_CHECKS:
+                check = importlib.import_module(PROMPT_CHECKS[t.kind]).check_prompts
+                if not t.eval_only:
+                    check(train, "data.train_prompts", t.name or t.kind)
+                check(evaluation, "data.eval_prompts", t.name or t.kind)
+
+    def missing_extra(self) -> str | None:
+        """Why a configured term could not load here (its extra is not installed), or None."""
+        for t in self.terms:
+            extra = EXTRAS.get(t.kind)
+            missing = [m for m in extra[1] if importlib.util.find_spec(m) is None] if extra else []
+            if missing:
+                return (f"reward term {t.name or t.kind!r} (kind {t.kind!r}) needs the {extra[0]!r} extra, and "
+                        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed here: "
+                        f"pip install 'hpcnft[{extra[0]}]'")
+        return None

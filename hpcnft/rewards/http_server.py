@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from hpcnft.common.errors import first_line
+from hpcnft.common.term_warnings import collected
 from hpcnft.rewards.http_protocol import (CONTENT_TYPE, HEALTH_PATH, MAX_BODY_BYTES, SCORE_PREFIX, ProtocolError,
                                           decode_request, encode_scores, error_body)
 from hpcnft.rewards.shared_secret import MISSING, authorization
@@ -218,8 +219,10 @@ class ScoringServer(ThreadingHTTPServer):
         return {"terms": list(self.terms), **load, "connections": self.connections}
 
     def score(self, name: str, prompts: list[str], images: np.ndarray) -> bytes:
-        with self.score_lock:
+        with self.score_lock, collected() as found:
             scores = self.terms[name](prompts, images)
+        for text in found:  # the client gets the scores; the warnings are the server's to say
+            self.log(f"reward server: warning: {printable(text, LOG_TEXT_CHARS)}")
         scores = torch.as_tensor(scores).detach().to(torch.float32).cpu().numpy()
         if scores.shape != (len(images),):
             raise ProtocolError(f"term {name!r} returned scores of shape {list(scores.shape)} for {len(images)} images")

@@ -27,8 +27,8 @@ from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import fail_line, log, log_exception, print_err, report_failure, restore_stderr, setup_logging
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
-from hpcnft.run.rundir import (check_trackers, default_run_dir, finished_line, lock_run_dir, resume_command,
-                               tiny_models_needed)
+from hpcnft.run.rundir import (check_term_extras, check_trackers, default_run_dir, finished_line, lock_run_dir,
+                               resume_command, tiny_models_needed)
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -106,6 +106,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         return stopped
     try:  # what every rank would refuse alike: refused before the rendezvous, said once per node
         check_trackers(cfg)
+        check_term_extras(cfg)
         check_layout(cfg, info.world_size)
         groups.resolve_backend(cfg, groups.pick_device(cfg, info.local_rank))  # the device and backend here
     except (UsageError, ConfigError) as e:

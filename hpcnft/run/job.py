@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,21 @@ class TrainJob:
                 f"and are truncated: {detail}")
         self._report_warning(text, step)
 
+    def report_term_warnings(self, step: int) -> None:
+        """Every train rank: the warnings the reward terms gave on this rank's chunks of the
+        step (and of an evaluation before it) go to rank 0, which reports each text once, with
+        how often it came, as a warning event of the step."""
+        local = self.tr.client.take_warnings()
+        if self.group is None:
+            texts = local
+        else:
+            everyone: list = [None] * len(self.topo.train_ranks)
+            dist.all_gather_object(everyone, local, group=self.group)
+            texts = [text for part in everyone for text in part]
+        if self.topo.rank == 0:
+            for text, n in Counter(texts).items():
+                self._report_warning(text if n == 1 else f"{text} (x{n})", step)
+
     def stop_requested(self) -> bool:
         """Every train rank's flag and the reward rank's, agreed at the end of an iteration."""
         local = torch.tensor([float(self.flag.requested or self.tr.client.peer_preempt)], device=self.topo.comm_device)
@@ -232,6 +248,7 @@ class TrainJob:
         for step in range(start_step + 1, cfg.steps + 1):
             self.step = step
             metrics, grid = self.iterate(step)
+            self.report_term_warnings(step)
             self.log_row(step, metrics, grid)
             if self.writer:
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)

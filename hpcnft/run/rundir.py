@@ -33,8 +33,8 @@ def check_input(cfg, world_size: int | None = None) -> None:
                                        check_folder)
 
     try:
-        read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
-        read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
+        train = read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
+        cfg.reward.check_prompts(train, read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts"))
         m = cfg.models
         if m.sd3_dir:
             check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
@@ -45,10 +45,12 @@ def check_input(cfg, world_size: int | None = None) -> None:
         if m.pickscore_processor_dir or m.pickscore_dir:
             check_folder("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
                          PROCESSOR_REQUIRED)
-    except (ModelError, PromptFileError) as e:
+    except (ModelError, PromptFileError, ConfigError) as e:
         raise UsageError(str(e)) from None
     check_trackers(cfg)
+    check_term_extras(cfg)
     check_memory_budget(cfg)
+    check_run_dir(cfg.run_dir)
 
 
 def check_memory_budget(cfg) -> None:
@@ -67,7 +69,6 @@ def check_memory_budget(cfg) -> None:
         raise UsageError(refusal)
     if note:
         print(f"hpcnft: {note}", file=sys.stderr, flush=True)
-    check_run_dir(cfg.run_dir)
 
 
 def lock_run_dir(run_dir: str, warn, inherited: bool = False):
@@ -80,6 +81,13 @@ def lock_run_dir(run_dir: str, warn, inherited: bool = False):
         return rundir_lock.take(run_dir, warn) if inherited else rundir_lock.acquire(run_dir, warn)
     except OSError as e:
         raise UsageError(f"run dir {run_dir!r}: cannot take its lock file: {e.strerror or e}") from None
+
+
+def check_term_extras(cfg) -> None:
+    """Every reward term has its extra's packages installed (the ocr term: hpcnft[ocr])."""
+    problem = cfg.reward.missing_extra()
+    if problem:
+        raise UsageError(problem)
 
 
 def check_trackers(cfg) -> None:

@@ -80,6 +80,13 @@ def _case_prompt_file_with_a_nul_byte(tmp):
     return ["--set", f"data.train_prompts={p}"], ["data.train_prompts", str(p), "NUL", "line 2"]
 
 
+def _case_ocr_prompt_without_quoted_text(tmp):
+    p = tmp / "ocr.txt"
+    p.write_text('a sign that says "OPEN"\na photo of a cat\n')
+    return ["tiny_ocr", "--set", f"data.train_prompts={p}"], \
+        ["data.train_prompts", "prompt 2 of 2 has no double-quoted text", "OCR term 'ocr'", "'a photo of a cat'"]
+
+
 def _case_recipe_file_not_utf8(tmp):
     p = tmp / "latin1.toml"
     p.write_bytes(b"steps = 2\n# caf\xe9\n")
@@ -135,6 +142,7 @@ CASES = {
     "empty prompt file": _case_empty_prompt_file,
     "DrawBench copy without its column": _case_drawbench_without_its_column,
     "prompt file with a NUL byte": _case_prompt_file_with_a_nul_byte,
+    "OCR prompt without quoted text": _case_ocr_prompt_without_quoted_text,
     "recipe file not UTF-8": _case_recipe_file_not_utf8,
     "recipe file a directory": _case_recipe_file_a_directory,
     "unknown recipe": _case_unknown_recipe,

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.prompts import PromptStream
-from hpcnft.algo.sampler import prompt_grid, truncated_prompts
+from hpcnft.algo.sampler import grid_cells, grid_sample_ids, prompt_grid, truncated_prompts
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,14 @@ def test_grid_images_are_every_train_ranks_share_with_their_prompts(tmp_path, n,
     assert [int(im[0, 0, 0]) for im in got["images"]] == samples
     # step 2 takes prompts 4..7 of the stream; sample i is prompt i // 4's
     assert got["prompts"] == [f"prompt {4 + i // 4}" for i in samples]
+    assert grid_sample_ids(16, 2, n) == samples  # what `hpcnft score` finds the grid's prompts from
+
+
+def test_a_grids_cells_are_its_images_again():
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (7, 8, 6, 3), dtype=np.uint8)
+    prompts = ["p0"] * 2 + ["a longer prompt that wraps"] * 4 + ["p2"]
+    grid = prompt_grid(images, prompts)
+    assert np.array_equal(grid_cells(grid, prompts, 8, 6), images)
+    with pytest.raises(ValueError, match="is not one of 5 images of 6x8 in 2 columns"):
+        grid_cells(grid, prompts[2:], 8, 6)

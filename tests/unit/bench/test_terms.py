@@ -49,3 +49,12 @@ def test_reward_terms_is_a_phase_but_not_a_default_one():
 def test_unknown_term_is_named():
     with pytest.raises(ValueError, match="unknown reward term 'nope'"):
         terms.build_term(sd35m_shapes(), "nope", torch.device("cpu"))
+
+
+def test_the_ocr_terms_bench_images_show_their_prompts_text():
+    pytest.importorskip("rapidocr_onnxruntime")
+    prompts, images = terms.text_images(3)
+    assert images.shape == (3, terms.OCR_SIZE, terms.OCR_SIZE, 3) and images.dtype == torch.uint8
+    term, about = terms.build_term(sd35m_shapes(), "ocr", torch.device("cpu"))
+    assert about["device"] == "cpu" and about["threads"] == 1
+    assert term(prompts, images).tolist() == [1.0, 1.0, 1.0]  # what the bench times is a full read

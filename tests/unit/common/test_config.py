@@ -319,9 +319,10 @@ def test_the_refusals_name_the_owners_vocabulary():
         load_config("tiny", ["nft.adv_mode=best"])
     with pytest.raises(ConfigError, match="rollout.solver: 'heun' is not one of euler, dpm2"):
         load_config("tiny", ["rollout.solver=heun"])
-    with pytest.raises(ConfigError, match=r"reward.terms\[0\].kind: 'ocr' is not one of pickscore, hpsv2, clipscore, "
-                                          "aesthetic, jpeg_compressibility, jpeg_incompressibility, remote"):
-        load_config("tiny", ['reward.terms=[{kind = "ocr"}]'])
+    with pytest.raises(ConfigError, match=r"reward.terms\[0\].kind: 'geneval' is not one of pickscore, hpsv2, "
+                                          "clipscore, aesthetic, jpeg_compressibility, jpeg_incompressibility, ocr, "
+                                          "remote"):
+        load_config("tiny", ['reward.terms=[{kind = "geneval"}]'])
     with pytest.raises(ConfigError, match="rollout.width: must be <= 8192, got 8208"):
         load_config("tiny", ["rollout.width=8208"])
 

@@ -1,6 +1,7 @@
 """The layout's plumbing that the GPU tests run for real: the reward traffic on a host group,
-answered per train rank in the order the requests come, emulated hosts for several NCCL ranks on
-one GPU, IPv6 rendezvous addresses, and native stderr kept out of the terminal."""
+answered per train rank in the order the requests come, the terms' warnings with the scores,
+emulated hosts for several NCCL ranks on one GPU, IPv6 rendezvous addresses, and native stderr
+kept out of the terminal."""
 from __future__ import annotations
 
 import os
@@ -21,7 +22,13 @@ COLUMNS = {ROLLOUT: 2, EVAL: 1}  # two training terms; evaluation scores one
 
 
 def _score(kind, step, images, ids):
-    """Scores that name their sample, step, term and what the images hold: [n, COLUMNS[kind]]."""
+    """Scores that name their sample, step, term and what the images hold: [n, COLUMNS[kind]].
+    An evaluation chunk gives a warning naming its samples, as a term does of an image it could
+    not read."""
+    from hpcnft.common.term_warnings import warn
+
+    if kind == EVAL:
+        warn(f"could not read sample {ids[0]}")
     base = torch.tensor(ids, dtype=torch.float32) * 1000 + step * 10 + images.float().mean(dim=(1, 2, 3)) + kind
     return torch.stack([base + 0.5 * term for term in range(COLUMNS[kind])], dim=1)
 
@@ -48,7 +55,7 @@ def _service_rank(rank: int, port: int, results) -> None:
         if rank == 0:
             dist.barrier(group=train)
         client.finish(2)
-        results.put((rank, scores))
+        results.put((rank, (scores, client.take_warnings(), client.take_warnings())))
     dist.destroy_process_group()
 
 
@@ -71,7 +78,9 @@ def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
         images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
         want = [_score(ROLLOUT, step, images, [rank * 3 + i for i in range(3)]).tolist() for step in (1, 2)]
         want.append(_score(EVAL, 0, images[:1], [rank]).tolist())
-        assert got[rank] == want
+        scores, warnings, then = got[rank]
+        assert scores == want
+        assert warnings == [f"could not read sample {rank}"] and then == []  # its own chunk's, taken once
     assert got[2]["preempted"] is False
 
 
@@ -160,3 +169,13 @@ def test_a_rank_failing_on_nccl_names_the_reason_not_the_source_line():
     assert fail_line(SimpleNamespace(rank=1, role="train"), e) == (
         "rank 1 (train): RuntimeError: NCCL error: remote process exited or there was a network error, "
         "NCCL version 2.28.9")
+
+
+def test_a_chunks_warnings_fit_one_reply_and_say_how_many_did_not():
+    from hpcnft.distributed.reward_service import MSG_BYTES, warnings_msg
+
+    assert warnings_msg([]) == "" and warnings_msg(["a", "b"]) == "a\nb"
+    many = [f"warning {i}: " + "x" * 280 for i in range(6)]
+    text = warnings_msg(many)
+    assert len(text.encode()) <= MSG_BYTES
+    assert text.split("\n")[:3] == many[:3] and text.endswith("... and 3 more (the reward rank's log has every one)")

@@ -60,3 +60,22 @@ def test_a_scoring_error_surfaces_at_collect():
     with pytest.raises(RuntimeError, match="out of memory"):
         client.collect(pending)
     client.finish()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_terms_warnings_are_kept_until_taken_in_chunk_order(overlap):
+    from hpcnft.common.term_warnings import collected, warn
+
+    def score(kind, step, images, ids):
+        warn(f"chunk {ids[0]}")
+        return torch.zeros(len(ids))
+
+    client = LocalRewardClient(score, overlap=overlap)
+    with collected() as caller:  # the scoring thread's warnings are the client's, not the caller's
+        pending = [client.submit(ROLLOUT, 1, images, list(range(4 * i, 4 * i + 4))) for i, images in
+                   enumerate(_chunks())]
+        for p in pending:
+            client.collect(p)
+    assert client.take_warnings() == [f"chunk {4 * i}" for i in range(5)] and client.take_warnings() == []
+    assert caller == []
+    client.finish()

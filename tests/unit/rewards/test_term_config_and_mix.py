@@ -58,7 +58,7 @@ def test_no_terms_is_pickscore_alone():
 
 
 @pytest.mark.parametrize("terms,needle", [
-    ('[{kind="ocr"}]', "reward.terms[0].kind: 'ocr' is not one of"),
+    ('[{kind="geneval"}]', "reward.terms[0].kind: 'geneval' is not one of"),
     ('[{kind="pickscore"}, {kind="pickscore"}]', "reward.terms[1].name: 'pickscore' names two terms"),
     ('[{kind="pickscore", name="Pick Score"}]', "reward.terms[0].name: 'Pick Score' must be lower-case"),
     ('[{kind="pickscore", eval_only=true}]', "every term is eval_only"),

@@ -99,3 +99,19 @@ def test_the_reward_line_names_each_training_term_its_weight_and_what_it_scores(
     assert reward_header(1.0, [jpeg]) == "reward = jpeg_compressibility (-JPEG kB)"
     mix = [Term(kind="hpsv2", name="hps", weight=0.5), Term(kind="jpeg_compressibility", name="small", weight=-0.002)]
     assert reward_header(2.0, mix) == "reward = 2 x (0.5 x hps (HPS v2.1) - 0.002 x small (-JPEG kB))"
+
+
+def test_the_terms_warnings_of_a_step_become_its_warning_events_each_text_once():
+    from types import SimpleNamespace
+
+    from hpcnft.run.job import TrainJob
+
+    reported = []
+    job = SimpleNamespace(tr=SimpleNamespace(client=SimpleNamespace(take_warnings=lambda: ["a", "b", "a"])),
+                          group=None, topo=SimpleNamespace(rank=0, train_ranks=[0]),
+                          _report_warning=lambda text, step: reported.append((step, text)))
+    TrainJob.report_term_warnings(job, 4)
+    assert reported == [(4, "a (x2)"), (4, "b")]
+    job.topo.rank = 1  # another train rank hands them on and reports nothing itself
+    TrainJob.report_term_warnings(job, 5)
+    assert reported == [(4, "a (x2)"), (4, "b")]

@@ -1,0 +1,122 @@
+"""What `hpcnft score` scores: image files (PNG, JPEG or whatever else Pillow reads) with the
+prompt of each, and the cells of a run's sample grids (RUN_DIR/samples/step_*.png) with the
+prompt each cell was generated from, found from the run's config and topology in its run.h5.
+Every problem is a UsageError of one line naming the file."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpcnft.common.errors import UsageError, first_line
+
+GRID_NAME = re.compile(r"step_(\d+)\.png")
+MAX_PIXELS = 8192 * 8192  # a side of the reward service's MAX_SIDE, squared
+
+
+@dataclass
+class Scored:
+    """One image to score: its label (the path, `#k` for a grid's cell k), prompt and pixels."""
+    label: str
+    prompt: str | None
+    image: np.ndarray  # uint8 [H, W, 3]
+
+
+def read_image(path: str) -> np.ndarray:
+    """The file's pixels as uint8 RGB [H, W, 3]."""
+    from PIL import Image, UnidentifiedImageError
+
+    if os.path.isdir(path):
+        raise UsageError(f"{path}: a directory, not an image file")
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file")
+    try:
+        with Image.open(path) as im:
+            if im.width * im.height > MAX_PIXELS:
+                raise UsageError(f"{path}: {im.width}x{im.height} pixels is more than hpcnft scores "
+                                 f"({MAX_PIXELS} pixels)")
+            im.load()  # decoded here: a truncated file fails now, as one line
+            return np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except UsageError:
+        raise
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise UsageError(f"{path}: not an image file Pillow can read ({first_line(e, type(e).__name__)})") from None
+
+
+def run_of_grid(path: str) -> str | None:
+    """The run dir whose sample grid `path` is (RUN_DIR/samples/step_NNNNNN.png beside a run.h5), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    run_dir = os.path.dirname(folder)
+    if GRID_NAME.fullmatch(os.path.basename(path)) and os.path.basename(folder) == "samples" and \
+            os.path.isfile(os.path.join(run_dir, "run.h5")):
+        return run_dir
+    return None
+
+
+def grid_cells(path: str, run_dir: str) -> list[Scored]:
+    """The images of a run's sample grid, each with the prompt it was generated from."""
+    from hpcnft.algo.prompts import PromptFileError, train_stream
+    from hpcnft.algo.root_config import ConfigError, config_from_dict
+    from hpcnft.algo.sampler import grid_cells as cells_of, grid_sample_ids
+    from hpcnft.io.runfile import RunFileError, read_run
+
+    step = int(GRID_NAME.fullmatch(os.path.basename(path)).group(1))
+    try:
+        run = read_run(run_dir)
+        cfg = config_from_dict(run.config)
+        train_ranks = run.topology.get("train_ranks")
+        ranks = len(json.loads(train_ranks) if isinstance(train_ranks, str) else train_ranks)
+        stream = train_stream(cfg)
+    except (RunFileError, ConfigError, PromptFileError) as e:
+        raise UsageError(f"{path}: a sample grid of run {run_dir!r}, whose prompts cannot be found: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"{path}: the run file of {run_dir!r} names no train ranks ({e})") from None
+    prompts = stream.for_step(step, cfg.rollout.prompts_per_step)
+    g = cfg.rollout.samples_per_prompt
+    ids = grid_sample_ids(cfg.samples_per_step, ranks, cfg.logging.sample_grid_images)
+    cell_prompts = [prompts[i // g] for i in ids]
+    try:
+        images = cells_of(read_image(path), cell_prompts, cfg.rollout.height, cfg.rollout.width)
+    except ValueError as e:
+        raise UsageError(f"{path}: {e} (the grid run {run_dir!r} would write at step {step})") from None
+    return [Scored(f"{path}#{k}", p, im) for k, (p, im) in enumerate(zip(cell_prompts, images))]
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None, n_files: int) -> list[str] | None:
+    """The prompt of each of `n_files` plain image files: --prompt for all of them, or the lines
+    of --prompts FILE (one for all, or one per file, in order); None where neither is given."""
+    from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
+
+    if prompt is not None:
+        if not prompt.strip():
+            raise UsageError("--prompt: empty")
+        return [prompt] * n_files
+    if prompts_file is None:
+        return None
+    try:
+        lines = read_prompt_file(prompts_file, "--prompts")
+    except PromptFileError as e:
+        raise UsageError(str(e)) from None
+    if len(lines) == 1:
+        return lines * n_files
+    if len(lines) != n_files:
+        raise UsageError(f"--prompts {prompts_file}: {len(lines)} prompts for {n_files} image files "
+                         "(one prompt for all, or one per file in order)")
+    return lines
+
+
+def inputs(paths: list[str], prompt: str | None, prompts_file: str | None) -> list[Scored]:
+    """Every image the paths name, in order, each with its prompt (a grid's cells with theirs)."""
+    grids = {path: run_of_grid(path) for path in paths}
+    files = [path for path in paths if grids[path] is None]
+    prompts = read_prompts(prompt, prompts_file, len(files))
+    if files and prompts is None:
+        raise UsageError(f"no prompt for {files[0]}: give --prompt TEXT or --prompts FILE")
+    by_file = dict(zip(files, prompts or []))
+    out: list[Scored] = []
+    for path in paths:
+        out += grid_cells(path, grids[path]) if grids[path] else [Scored(path, by_file[path], read_image(path))]
+    return out
