@@ -48,3 +48,14 @@ def test_the_resume_command_names_the_run_dir_and_repeats_the_overrides_quoted()
                    "--set 'logging.trackers=[\"tensorboard\"]' --steps 50")
     assert shlex.split(cmd)[1:] == ["run", "tiny", "--run-dir", "runs/tiny-20261205-0900", "--set", "optim.lr=1e-4",
                                     "--set", 'logging.trackers=["tensorboard"]', "--steps", "50"]
+
+
+def test_every_start_checks_the_run_dir_with_its_input(tmp_path):
+    """check_input (the spawner's and every launcher rank's preflight) refuses a run dir under a file."""
+    from hpcnft.algo.root_config import load_config
+    from hpcnft.run.rundir import check_input
+
+    (tmp_path / "file").write_text("")
+    cfg = load_config("tiny", run_dir=str(tmp_path / "file" / "run"))
+    with pytest.raises(UsageError, match="is not a directory"):
+        check_input(cfg, 3)
