@@ -1,6 +1,7 @@
-"""The algorithm's sections but `[nft]` (hpcnft.algo.nft_config, beside the NFT math): `[rollout]`,
-`[train]`, `[optim]`, `[ema]`, `[eval]`, with the vocabularies of their choices (hpcnft.algo.solvers
-keys its samplers by SOLVERS). No torch: the config imports it."""
+"""The algorithm's sections but `[nft]` and `[grpo]` (hpcnft.algo.nft_config, hpcnft.algo.grpo_config,
+beside each algorithm's math): `[algo]`, `[rollout]`, `[train]`, `[optim]`, `[ema]`, `[eval]`, with the
+vocabularies of their choices (hpcnft.algo.solvers keys its samplers by SOLVERS, hpcnft.algo.algorithms
+its algorithms by ALGORITHMS). No torch: the config imports it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from hpcnft.common.config import setting
 from hpcnft.common.errors import ConfigError
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
+# algo.name: hpcnft.algo.algorithms.ALGORITHMS has one implementation for each (a test holds them)
+ALGORITHMS = ("nft", "flow_grpo")
 SOLVERS = ("euler", "dpm2")  # rollout.solver: algo.solvers.SOLVERS has one sampler for each (a test holds them)
 UINT8_ROUNDINGS = ("round", "truncate")
 FINETUNES = ("lora", "full")
@@ -16,6 +19,13 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 EVAL_POLICIES = ("old", "ema")
 ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                          "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out"]
+
+
+@dataclass
+class AlgoConfig:
+    name: str = setting("nft", "the RL algorithm: `nft` (DiffusionNFT; keys in `[nft]`, the old policy in `[ema]`) or "
+                               "`flow_grpo` (Flow-GRPO; keys in `[grpo]`); the other's keys are refused",
+                        choices=ALGORITHMS)
 
 
 @dataclass
