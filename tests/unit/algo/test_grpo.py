@@ -218,8 +218,9 @@ def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit
     neg_pe, neg_pooled = randn(1, 6, dim, seed=33), randn(1, 64, seed=34)
     sigmas = sigma_grid(scheduler, steps)
     cond = Conditioning(pe, pooled, neg_pe.expand(n, -1, -1), neg_pooled.expand(n, -1))
-    _, states, log_probs = sde_sample(policy.transformer, randn(n, 16, 8, 8, seed=35), randn(n, steps, 16, 8, 8, seed=36),
-                                      sigmas, cond, 4.5, torch.float32, policy.autocast, NOISE_LEVEL, keep=steps)
+    _, states, log_probs = sde_sample(policy.transformer, randn(n, 16, 8, 8, seed=35),
+                                      randn(n, steps, 16, 8, 8, seed=36), sigmas, cond, 4.5, torch.float32,
+                                      policy.autocast, NOISE_LEVEL, keep=steps)
     old = log_probs + (torch.rand(n, steps, generator=torch.Generator().manual_seed(37)) - 0.5) * 8e-4
     adv = torch.tensor([1.3, -0.4, 6.0, -2.2], dtype=torch.float64)
     batch = GRPOBatch(states[:, :k + 1], old[:, :k], pe, pooled, neg_pe, neg_pooled, adv, list(range(n)), n)
@@ -247,8 +248,9 @@ def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit
             _, _, mean_ref, _ = ref.compute_log_prob(policy.transformer, sched, sample, j, embeds, pooled_embeds,
                                                      True, 4.5, NOISE_LEVEL)
             policy.transformer.enable_adapters()
-        loss, policy_loss, _, _, clipfrac = ref.grpo_loss(log_prob, sample["log_probs"][:, j], sample["advantages"][:, j],
-                                                          5.0, 2e-4, 0.04, mean, mean_ref, std)
+        loss, policy_loss, _, _, clipfrac = ref.grpo_loss(log_prob, sample["log_probs"][:, j],
+                                                          sample["advantages"][:, j], 5.0, 2e-4, 0.04, mean, mean_ref,
+                                                          std)
         (loss / k).backward()
         losses.append(policy_loss.item())
         clipfracs.append(clipfrac.item())
