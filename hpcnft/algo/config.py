@@ -32,7 +32,7 @@ class AlgoConfig:
 class RolloutConfig:
     prompts_per_step: int = setting(8, "P, the prompts of a step", bound="> 0")
     samples_per_prompt: int = setting(8, "G, the samples of each prompt (one advantage group)", bound="> 0")
-    num_steps: int = setting(10, "ODE sampler steps", bound="> 0")
+    num_steps: int = setting(10, "sampler steps (the ODE's; Flow-GRPO's SDE's)", bound="> 0")
     guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
     height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
@@ -72,7 +72,8 @@ class TrainConfig:
                              choices=PRECISIONS)
     grad_scaler_init: float = setting(65536.0, "fp16: the grad scaler's initial scale", bound="> 0")
     grad_checkpointing: bool = setting(False, "activation checkpointing of the DiT blocks")
-    seed: int = setting(1234, "the NFT seeds: σ order, corruption noise, LoRA init")
+    seed: int = setting(1234, "the train step's seeds: NFT's σ order and corruption noise, Flow-GRPO's split of the "
+                              "samples into updates, LoRA init")
 
     def check(self) -> None:
         if not self.lora_targets and self.finetune == "lora":
