@@ -51,7 +51,8 @@ class NoiseAhead:
 
 @dataclass
 class Conditioning:
-    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the trainer reuses) and, with CFG, the negative."""
+    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the
+    trainer reuses) and, with CFG, the negative."""
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
     neg_prompt_embeds: torch.Tensor | None = None

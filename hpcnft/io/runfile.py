@@ -166,7 +166,8 @@ def _walk_metrics(group: h5py.Group, prefix: str, out: dict[str, np.ndarray], pa
             _walk_metrics(obj, key + "/", out, path)
         elif isinstance(obj, h5py.Dataset):
             if obj.ndim != 2 or obj.shape[1] != 2 or obj.dtype.kind != "f":
-                raise RunFileError(f"{path}: metric {key!r} has shape {obj.shape} dtype {obj.dtype}, expected (n, 2) float")
+                raise RunFileError(f"{path}: metric {key!r} has shape {obj.shape} dtype {obj.dtype}, "
+                                   "expected (n, 2) float")
             if obj.shape[0] > MAX_ROWS:
                 raise RunFileError(f"{path}: metric {key!r} has {obj.shape[0]} rows, more than {MAX_ROWS}")
             _refresh(obj)

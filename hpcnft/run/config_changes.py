@@ -14,7 +14,8 @@ from hpcnft.common.validation import flatten
 
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
 RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images", "logging.trackers",
+                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
+                       "logging.trackers",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
                        "layout.emulate_hosts"}
 # Keys of each reward term ([] for any index) that say where, how patiently and with which secret
