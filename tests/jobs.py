@@ -50,6 +50,22 @@ def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 300) -> 
     raise AssertionError(f"never saw {needle!r}; got {seen}" + (f"; exit {ended}, stderr:\n{err}" if err else ""))
 
 
+def wait_for_attempts(run_dir: str, n: int, proc, timeout: float = 120) -> None:
+    """Until run.h5 records its n-th attempt (rank 0 has opened it and is into the step). A read
+    that meets the writer's brief non-SWMR reopen (where an attempt is added) finds nothing yet."""
+    from hpcnft.io.runfile import RunFileError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if len(read_run(run_dir).attempts) >= n:
+                return
+        except RunFileError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, rank_logs(run_dir)
+        time.sleep(0.05)
+
+
 def rank_pids(spawner_pid: int) -> dict[int, int]:
     """{rank: pid} of the ranks a local spawner started (each names itself hpcnft-rank-N)."""
     out = {}

@@ -1,6 +1,7 @@
-"""The algorithm's sections but `[nft]` (hpcnft.algo.nft_config, beside the NFT math): `[rollout]`,
-`[train]`, `[optim]`, `[ema]`, `[eval]`, with the vocabularies of their choices (hpcnft.algo.solvers
-keys its samplers by SOLVERS). No torch: the config imports it."""
+"""The algorithm's sections but `[nft]` and `[grpo]` (hpcnft.algo.nft_config, hpcnft.algo.grpo_config,
+beside each algorithm's math): `[algo]`, `[rollout]`, `[train]`, `[optim]`, `[ema]`, `[eval]`, with the
+vocabularies of their choices (hpcnft.algo.solvers keys its samplers by SOLVERS, hpcnft.algo.algorithms
+its algorithms by ALGORITHMS). No torch: the config imports it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ from hpcnft.common.config import setting
 from hpcnft.common.errors import ConfigError
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
+# algo.name: hpcnft.algo.algorithms.ALGORITHMS has one implementation for each (a test holds them)
+ALGORITHMS = ("nft", "flow_grpo")
 SOLVERS = ("euler", "dpm2")  # rollout.solver: algo.solvers.SOLVERS has one sampler for each (a test holds them)
 UINT8_ROUNDINGS = ("round", "truncate")
 FINETUNES = ("lora", "full")
@@ -19,10 +22,17 @@ ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 
 
 @dataclass
+class AlgoConfig:
+    name: str = setting("nft", "the RL algorithm: `nft` (DiffusionNFT; keys in `[nft]`, the old policy in `[ema]`) or "
+                               "`flow_grpo` (Flow-GRPO; keys in `[grpo]`); the other's keys are refused",
+                        choices=ALGORITHMS)
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = setting(8, "P, the prompts of a step", bound="> 0")
     samples_per_prompt: int = setting(8, "G, the samples of each prompt (one advantage group)", bound="> 0")
-    num_steps: int = setting(10, "ODE sampler steps", bound="> 0")
+    num_steps: int = setting(10, "sampler steps (the ODE's; Flow-GRPO's SDE's)", bound="> 0")
     guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
     height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
@@ -62,7 +72,8 @@ class TrainConfig:
                              choices=PRECISIONS)
     grad_scaler_init: float = setting(65536.0, "fp16: the grad scaler's initial scale", bound="> 0")
     grad_checkpointing: bool = setting(False, "activation checkpointing of the DiT blocks")
-    seed: int = setting(1234, "the NFT seeds: σ order, corruption noise, LoRA init")
+    seed: int = setting(1234, "the train step's seeds: NFT's σ order and corruption noise, Flow-GRPO's split of the "
+                              "samples into updates, LoRA init")
 
     def check(self) -> None:
         if not self.lora_targets and self.finetune == "lora":

@@ -1,5 +1,6 @@
-"""One NFT iteration on a train rank: rollout (sample, decode, reward), advantages, the train
-step and the EMA update of pi_old; and the evaluation."""
+"""One iteration on a train rank: rollout (sample, decode, reward), the algorithm's train step
+(DiffusionNFT's or Flow-GRPO's, hpcnft.algo.algorithms: what each samples with and keeps, its
+advantages and trainer) and the EMA update of pi_old; and the evaluation."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.algo import nft
+from hpcnft.algo.algorithms import algorithm_for
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
@@ -55,14 +57,18 @@ class Rollout:
     term_scores: torch.Tensor  # and each training term's score [n, T]
     seconds: float
     wait_s: float
+    kept: list  # per chunk, what the algorithm keeps beside the final latents (None for NFT)
 
 
 class Learner:
-    """What a train rank learns with: the pipeline, policy, trainer, prompt stream and reward client."""
+    """What a train rank learns with: the pipeline, policy, algorithm, trainer, prompt stream and
+    reward client."""
 
-    def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy, trainer):
+    def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy, trainer,
+                 algorithm=None):
         self.cfg, self.topo, self.group, self.mesh = cfg, topo, train_group, mesh
         self.client, self.pipe, self.policy, self.trainer = reward_client, pipe, policy, trainer
+        self.algorithm = algorithm or algorithm_for(cfg)
         self.stream = train_stream(cfg)
         self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
         self.family = family_of(pipe.transformer)
@@ -80,7 +86,8 @@ class Learner:
                                      cfg.rollout.guidance_scale)
 
     # -- rollout ---------------------------------------------------------------------------
-    def _generate(self, prompts: list[str], sigmas, noise, solver: str) -> tuple[torch.Tensor, object]:
+    def generate(self, prompts: list[str], sigmas, noise, solver: str) -> tuple[torch.Tensor, object]:
+        """The final latents of the ODE solver `solver` from `noise`, and the prompts' conditioning."""
         cond = self.encoder(prompts)
         noise = noise.to(self.topo.device, non_blocking=noise.is_pinned())
         r = self.cfg.rollout
@@ -95,12 +102,14 @@ class Learner:
         parts = chunks(mine, cfg.rollout.batch_size)
         noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
                                        pin=self.topo.device.type == "cuda")
-        x0s, pes, pools, imgs, pending = [], [], [], [], []
+        self.algorithm.begin_rollout(self, step, parts)
+        x0s, pes, pools, imgs, pending, kept = [], [], [], [], [], []
         with self.policy.rollout_weights():  # perf.rollout_fp8 (evaluation keeps its precision)
             for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
-                    x0, cond = self._generate(self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g),
-                                              self.sigmas, noise.result(), cfg.rollout.solver)
+                    x0, cond, keep = self.algorithm.sample(
+                        self, self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g), noise.result(),
+                        chunk, step)
                 with span("rollout/decode"):
                     images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding, cfg.perf.vae_decode_batch)
                 with span("rollout/reward_submit"):
@@ -110,12 +119,13 @@ class Learner:
                 pes.append(cond.prompt_embeds)
                 pools.append(cond.pooled)
                 imgs.append(images)
+                kept.append(keep)
         t1 = time.perf_counter()
         with span("rollout/reward_collect"):
             scores = torch.cat([self.client.collect(p) for p in pending])
         t2 = time.perf_counter()
         return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs),
-                       training_reward(scores, cfg), scores, t1 - t0, t2 - t1)
+                       training_reward(scores, cfg), scores, t1 - t0, t2 - t1, kept)
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All train ranks' values, in global sample order."""
@@ -147,35 +157,25 @@ class Learner:
         indices = grid_sample_ids(self.cfg.samples_per_step, ranks, n)
         return torch.cat([p.cpu() for p in parts])[:n], [prompts[i // g] for i in indices]
 
-    def group_keys(self, step: int) -> list[str] | None:
-        """Each of the step's samples' prompt text under nft.group_by="prompt" (the advantages then
-        group by text); None groups by position."""
-        if self.cfg.nft.group_by != "prompt":
-            return None
+    def step_prompts(self, step: int) -> list[str]:
+        """The prompt text of each of the step's samples, in global sample order."""
         r = self.cfg.rollout
         return self.stream.for_samples(step, range(self.cfg.samples_per_step), r.prompts_per_step,
                                        r.samples_per_prompt)
 
     # -- one iteration ---------------------------------------------------------------------
     def iteration(self, step: int) -> tuple[dict[str, float], Rollout]:
-        from hpcnft.algo.pairs import PairBatch
-
-        cfg = self.cfg
+        cfg, algorithm = self.cfg, self.algorithm
         t_start = time.perf_counter()
         mine = owned_range(cfg.samples_per_step, self.topo)
-        if self.topo.device.type == "cuda":  # the host draws the pairs' noise while the GPU samples
-            self.trainer.noise.prefetch(step, list(mine), self.latent_shape, pin=True)
         ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
-        adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator, self.group_keys(step))
-        r = nft.optimality_r(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)
-        k = nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction)
-        batch = PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
-                          list(mine), cfg.samples_per_step * k)
+        k = algorithm.trained_steps()
+        batch = algorithm.train_batch(self, step, ro, rewards, mine)
         t_train = time.perf_counter()
         with span("train/step"):
             metrics = self.trainer.step(batch, self.sigmas, step)
-        decay = nft.ema_decay(step, cfg.ema.ramp, cfg.ema.max, cfg.ema.flat_steps, cfg.ema.flat_decay)
+        decay = algorithm.old_policy_decay(step)
         with span("train/ema"):
             self.policy.ema_update(decay)
             if cfg.eval.policy == "ema":
@@ -196,7 +196,7 @@ class Learner:
             "perf/images_per_s": cfg.samples_per_step / max(ro.seconds + ro.wait_s, 1e-9),
             "perf/mfu_rollout": mfu(self.flops.rollout_forward * len(mine) * cfg.rollout.num_steps
                                     * (2 if self.encoder.cfg else 1), ro.seconds, self.ceiling),
-            "perf/mfu_train": mfu(self.flops.train_pair * len(mine) * k, t_end - t_train, self.ceiling),
+            "perf/mfu_train": mfu(algorithm.pair_flops(self.flops) * len(mine) * k, t_end - t_train, self.ceiling),
         })
         self._server_totals = (busy, idle)
         return metrics, ro
@@ -212,7 +212,7 @@ class Learner:
                 real = [i for i in chunk if i >= 0]
                 ids = [i if i >= 0 else 0 for i in chunk]
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
-                x0, _ = self._generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
+                x0, _ = self.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
                                              cfg.perf.vae_decode_batch)

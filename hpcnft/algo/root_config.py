@@ -10,8 +10,9 @@ its owner:
 
   [models]                                   hpcnft.models.config
   [data] [checkpoint] [logging]              hpcnft.io.config
-  [rollout] [train] [optim] [ema] [eval]     hpcnft.algo.config
+  [algo] [rollout] [train] [optim] [ema] [eval]  hpcnft.algo.config
   [nft]                                      hpcnft.algo.nft_config
+  [grpo]                                     hpcnft.algo.grpo_config
   [reward] [[reward.terms]]                  hpcnft.rewards.config
   [layout] [preempt]                         hpcnft.distributed.config
   [determinism]                              hpcnft.common.config
@@ -24,7 +25,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from hpcnft.algo.config import EMAConfig, EvalConfig, OptimConfig, RolloutConfig, TrainConfig
+from hpcnft.algo.config import AlgoConfig, EMAConfig, EvalConfig, OptimConfig, RolloutConfig, TrainConfig
+from hpcnft.algo.grpo_config import GRPOConfig
 from hpcnft.algo.nft_config import NFTConfig
 from hpcnft.common import config as machinery
 from hpcnft.common.config import DeterminismConfig, section, setting
@@ -43,11 +45,13 @@ class Config:
     steps: int = setting(100, "run until this step", bound="> 0")
     run_dir: str = setting("", "the run's folder (`--run-dir`); empty: `runs/<recipe>-<date>-<time>`")
     umask: str = setting("077", "octal file-creation mask of every rank (run dir, run.h5, logs, checkpoints)")
+    algo: AlgoConfig = section(AlgoConfig)
     models: ModelsConfig = section(ModelsConfig)
     data: DataConfig = section(DataConfig)
     rollout: RolloutConfig = section(RolloutConfig)
     reward: RewardConfig = section(RewardConfig)
     nft: NFTConfig = section(NFTConfig)
+    grpo: GRPOConfig = section(GRPOConfig)
     train: TrainConfig = section(TrainConfig)
     optim: OptimConfig = section(OptimConfig)
     ema: EMAConfig = section(EMAConfig)
@@ -64,6 +68,18 @@ class Config:
     def samples_per_step(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.samples_per_prompt
 
+    @property
+    def rank_sample_parts(self) -> int:
+        """The equal parts each train rank's samples of a step split into: Flow-GRPO's optimizer
+        updates per rollout (every train rank takes part in each with as many samples), else 1."""
+        return self.grpo.updates_per_step if self.algo.name == "flow_grpo" else 1
+
+    @property
+    def trained_steps(self) -> int:
+        """K, the sampler steps each sample is trained at: the algorithm's timestep_fraction of them."""
+        fraction = self.grpo.timestep_fraction if self.algo.name == "flow_grpo" else self.nft.timestep_fraction
+        return int(self.rollout.num_steps * fraction)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -76,8 +92,10 @@ class Config:
         if not re.fullmatch(r"0?[0-7]{3}", self.umask):
             raise ConfigError(f"umask: expected an octal mask such as \"077\" or \"027\", got {self.umask!r}")
         r = self.rollout
-        if int(r.num_steps * self.nft.timestep_fraction) < 1:
-            raise ConfigError("nft.timestep_fraction: trains no sigma at rollout.num_steps "
+        self.check_algorithm()
+        if self.trained_steps < 1:
+            name = "grpo" if self.algo.name == "flow_grpo" else "nft"
+            raise ConfigError(f"{name}.timestep_fraction: trains no sigma at rollout.num_steps "
                               f"{r.num_steps} (needs num_steps * fraction >= 1)")
         if self.perf.fused_lora and self.train.finetune != "lora":
             raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
@@ -95,6 +113,40 @@ class Config:
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
+
+
+    def check_algorithm(self) -> None:
+        """The other algorithm's keys are refused (set away from their defaults), and so are the
+        options that only the other algorithm's sampler or trainer has."""
+        grpo = self.algo.name == "flow_grpo"
+        foreign = (("nft", self.nft, NFTConfig(), "a DiffusionNFT key"),
+                   ("ema", self.ema, EMAConfig(), "DiffusionNFT's old-policy EMA (Flow-GRPO samples with θ itself)"))
+        if not grpo:
+            foreign = (("grpo", self.grpo, GRPOConfig(), "a Flow-GRPO key"),)
+        for name, values, defaults, what in foreign:
+            for f in dataclasses.fields(values):
+                if getattr(values, f.name) != getattr(defaults, f.name):
+                    raise ConfigError(f"{name}.{f.name}: {what}, but algo.name is {self.algo.name!r}")
+        if not grpo:
+            return
+        refused = {"rollout.solver": (self.rollout.solver != "euler", "Flow-GRPO samples with its own SDE "
+                                      "(grpo.noise_level); the ODE solvers are DiffusionNFT's rollout"),
+                   "rollout.integer_timesteps": (self.rollout.integer_timesteps, "Flow-GRPO's DiT gets the float "
+                                                 "1000σ while sampling and training alike"),
+                   "perf.old_pass_batch": (self.perf.old_pass_batch > 0, "DiffusionNFT's v_old pass; Flow-GRPO has "
+                                           "none"),
+                   "perf.v_old_fp8": (self.perf.v_old_fp8, "DiffusionNFT's v_old pass; Flow-GRPO has none"),
+                   "perf.rollout_fp8": (self.perf.rollout_fp8, "the ratio of Flow-GRPO's clipped objective would "
+                                        "measure the rollout's fp8 rounding"),
+                   "grpo.kl_beta": (self.grpo.kl_beta > 0 and self.train.finetune != "lora", "the KL reference is "
+                                    "the frozen base, the DiT with its LoRA adapters off: needs "
+                                    "train.finetune=\"lora\"")}
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"{key}: {why} (algo.name = \"flow_grpo\")")
+        if self.samples_per_step % self.grpo.updates_per_step:
+            raise ConfigError(f"grpo.updates_per_step: the {self.samples_per_step} samples of a step do not split into "
+                              f"{self.grpo.updates_per_step} equal updates")
 
 
 def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, steps: int | None = None,

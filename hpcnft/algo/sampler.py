@@ -52,7 +52,8 @@ class NoiseAhead:
 
 @dataclass
 class Conditioning:
-    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the trainer reuses) and, with CFG, the negative."""
+    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the
+    trainer reuses) and, with CFG, the negative."""
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
     neg_prompt_embeds: torch.Tensor | None = None
@@ -134,10 +135,12 @@ def velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, prompt_embeds: t
 
 
 def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Conditioning, guidance_scale: float,
-                    dtype: torch.dtype, autocast, integer_timesteps: bool = False) -> torch.Tensor:
-    """The sampler's velocity at one step (sigma a 0-dim tensor), float32: with CFG when
-    guidance_scale > 1 for a family that guides so (SD3), else with guidance_scale embedded in
-    the DiT's one pass (FLUX.1-dev)."""
+                    dtype: torch.dtype, autocast, integer_timesteps: bool = False,
+                    detach_uncond: bool = False) -> torch.Tensor:
+    """The sampler's velocity at one step (sigma a 0-dim tensor, or one per sample), float32: with
+    CFG when guidance_scale > 1 for a family that guides so (SD3), else with guidance_scale
+    embedded in the DiT's one pass (FLUX.1-dev). `detach_uncond`: no gradient through CFG's
+    unconditional half (Flow-GRPO's trained forward)."""
     b = x.shape[0]
     s = sigma.expand(b)
     with autocast():
@@ -146,6 +149,8 @@ def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Con
                              torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
                              torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
             v_neg, v_pos = v_all.float().chunk(2)
+            if detach_uncond:
+                v_neg = v_neg.detach()
             return v_neg + guidance_scale * (v_pos - v_neg)
         return velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps,
                         guidance_scale).float()

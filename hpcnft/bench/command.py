@@ -14,6 +14,7 @@ from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 
 PHASES = ("rollout", "vae", "pickscore", "train", "iteration", "reward_terms")
+ALGOS = ("nft", "flow_grpo")  # hpcnft.algo.config.ALGORITHMS (a test holds the two)
 DEFAULT_PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
 
 
@@ -23,6 +24,15 @@ def _phase_list(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown phase {', '.join(unknown) or repr(text)} "
                                          f"(choose from {', '.join(PHASES)})")
+    return names
+
+
+def _algo_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALGOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown algorithm {', '.join(unknown) or repr(text)} "
+                                         f"(choose from {', '.join(ALGOS)})")
     return names
 
 
@@ -68,6 +78,11 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-encoders", choices=["embeddings", "real"], default="embeddings",
                    help="what the whole iteration encodes prompts with: fixed random embeddings (default), or "
                         "SD3.5's CLIP-L, CLIP-G and T5-XXL at their real shapes (11 GB more, and their time)")
+    p.add_argument("--algo", type=_algo_list, default=["nft"], metavar="NAME[,NAME]",
+                   help="the algorithms measured, in this process: nft (DiffusionNFT: every stack, --baseline, "
+                        "--levers, --variant), flow_grpo (Flow-GRPO's train pairs and iteration in the fast "
+                        "stack's levers, and in the default stack unless --no-default: "
+                        "'hpcnft fast flow_grpo'), e.g. nft,flow_grpo (default: nft)")
     p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
     p.add_argument("--profile", metavar="DIR",
                    help="after the 'hpcnft fast' phases, profile one rollout forward and one train-pairs call "
@@ -87,7 +102,14 @@ def main(name: str, args: argparse.Namespace) -> int:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if "nft" not in args.algo and (args.baseline or args.levers or args.variants):
+        raise UsageError("--baseline, --levers and --variant measure DiffusionNFT: add nft to --algo")
     fast_over = fast_overrides(S, dev, args.overrides)
+    if "flow_grpo" in args.algo:
+        from hpcnft.bench.grpo_stack import grpo_overrides
+
+        for over in (fast_over, {}):
+            bench_config(S, dev, grpo_overrides(over, S.family))
     for over in expand_levers(args.levers, dev, S) + [fast_over] + [
             {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:
         bench_config(S, dev, over)  # bad specs and config values fail before anything is built

@@ -31,7 +31,8 @@ def targets(doc: dict, S: Shapes) -> dict:
     tr = ph.get(f"train_pair_mb{mb}", {})
     put("train_pair_mfu", tr.get("mfu"), ">= 0.65", lambda v: v >= 0.65)
     if fast.get("config", {}).get("overrides", {}).get("perf.v_old_fp8"):
-        out["train_pair_mfu"].update(met=None, note="perf.v_old_fp8: the v_old pass's fp8 GEMMs against an fp16 ceiling")
+        out["train_pair_mfu"].update(met=None,
+                                     note="perf.v_old_fp8: the v_old pass's fp8 GEMMs against an fp16 ceiling")
     put("train_peak_gib_mb16", ph.get("train_pair_mb16", {}).get("peak_gib"), "<= 40", lambda v: v <= 40)
     it = ph.get("iteration", {}).get("s")
     put("iteration_s", it, "<= 13", lambda v: v <= 13)
@@ -82,7 +83,8 @@ def _change_table(recs, name: str, base: str, digits: int, title: str) -> list[s
     """Rows of the stacks measured with one change (--variant on fast, --levers on default)."""
     if not recs:
         return []
-    lines = ["", title, "", f"| {name} | phase | time per unit | MFU | peak GiB | vs {base} |", "|---|---|---|---|---|---|"]
+    lines = ["", title, "", f"| {name} | phase | time per unit | MFU | peak GiB | vs {base} |",
+             "|---|---|---|---|---|---|"]
     for rec in recs:
         for n, m in rec["phases"].items():
             if "error" in m:
@@ -97,22 +99,24 @@ def _change_table(recs, name: str, base: str, digits: int, title: str) -> list[s
 
 def markdown(doc: dict) -> str:
     st = doc["stacks"]
-    cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast") if k in st]
+    cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast", "hpcnft_default_grpo", "hpcnft_fast_grpo")
+            if k in st]
     names = [n for n in PHASE_ORDER if any(n in st[c]["phases"] for c in cols)]
     names += sorted({n for c in cols for n in st[c]["phases"]} - set(names))
     env = doc["environment"]
     lines = [f"`{doc['command']}` on {env['device']} (torch {env['torch']}), {doc['date']}; "
              f"ceiling: {doc.get('ceiling_what', '')} = {doc.get('ceiling_tflops', 0):.4g} TFLOP/s. "
              "Cells: time per unit · MFU against that ceiling (FLOPs counted over the phase) · peak memory.", "",
-             "| phase | " + " | ".join(st[c]["label"] for c in cols) + " | fast vs eager |",
-             "|---|" + "---|" * (len(cols) + 1)]
+             "| phase | " + " | ".join(st[c]["label"] for c in cols)
+             + " | fast vs eager | flow_grpo time / nft time, fast |",
+             "|---|" + "---|" * (len(cols) + 2)]
     for n in names:
         cells = [_cell(st[c]["phases"].get(n)) for c in cols]
-        ratio = "—"
-        e, f = st.get("eager", {}).get("phases", {}).get(n), st.get("hpcnft_fast", {}).get("phases", {}).get(n)
-        if e and f and "s" in e and "s" in f:
-            ratio = f"{e['per_unit_s'] / f['per_unit_s']:.2f}×"
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+        ratios = []
+        for slow, fast in (("eager", "hpcnft_fast"), ("hpcnft_fast_grpo", "hpcnft_fast")):  # time of slow / fast
+            a, b = st.get(slow, {}).get("phases", {}).get(n), st.get(fast, {}).get("phases", {}).get(n)
+            ratios.append(f"{a['per_unit_s'] / b['per_unit_s']:.2f}×" if a and b and "s" in a and "s" in b else "—")
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {' | '.join(ratios)} |")
     lines += _change_table(doc.get("variants"), "variant", "fast", 3,
                            "hpcnft fast with one change, same process (speed-up against hpcnft fast):")
     lines += _change_table(doc.get("levers"), "lever", "default", 2,

@@ -205,10 +205,35 @@ class Bench:
         fast_over = fast_overrides(S, dev, args.overrides)
         fast_b = int(fast_over.get("rollout.batch_size", max(S.rollout_batches)))
         fast_mb = int(fast_over.get("train.micro_batch", max(S.micro_batches)))
+        if "nft" in args.algo:
+            self.run_nft(fast_over, fast_b, fast_mb)
+        if "flow_grpo" in args.algo:
+            self.run_grpo(fast_over, fast_mb)
+        self.finish()
+        return self.doc
+
+    def run_grpo(self, fast_over: dict, fast_mb: int) -> None:
+        """Flow-GRPO's path (bench.grpo_stack): the fast stack's levers, then every lever off."""
+        from hpcnft.bench.grpo_stack import GrpoStack
+
+        S = self.S
+        stacks = [("hpcnft_fast_grpo", "hpcnft fast, flow_grpo", fast_over, [fast_mb], self.iteration_for("fast"))]
+        if not self.args.no_default:
+            stacks.append(("hpcnft_default_grpo", "hpcnft default, flow_grpo", {}, list(S.micro_batches),
+                           self.iteration_for("default")))
+        for key, label, over, mbs, iteration in stacks:
+            stack = GrpoStack(key, label, S, self.dev, over)
+            self.run_stack(stack, self.phases_for(stack, [], mbs, vae=False, pick=False), iteration,
+                           {"micro_batch": max(mbs), "algo": "flow_grpo"})
+            self.free(stack)
+
+    def run_nft(self, fast_over: dict, fast_b: int, fast_mb: int) -> None:
+        """DiffusionNFT's stacks: the eager baseline, hpcnft fast, its variants, hpcnft default, the levers."""
+        S, args, dev = self.S, self.args, self.dev
         if args.baseline:
             eager = EagerStack(S, dev)
-            self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches), self.iteration_for("eager"),
-                           {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
+            self.run_stack(eager, self.phases_for(eager, S.rollout_batches, S.micro_batches),
+                           self.iteration_for("eager"), {"rollout_batch": eager.rollout_batch, "micro_batch": eager.mb})
             self.free(eager)
         real_text = args.text_encoders == "real"
         fast = HpcnftStack("hpcnft_fast", "hpcnft path, levers of hpcnft.perf.levers.FAST", S, dev, fast_over,
@@ -262,8 +287,6 @@ class Bench:
                 self.doc["skipped"].append(f"lever {lever} (budget)")
                 continue
             self.run_lever(lever)
-        self.finish()
-        return self.doc
 
     def profile(self, stack, rec: dict, b: int, mb: int) -> None:
         """--profile: torch.profiler over one rollout forward at batch b, one train-pairs call at

@@ -89,13 +89,13 @@ class HpcnftStack:
     @property
     def policy(self):
         if self._policy is None:
+            from hpcnft.algo.algorithms import algorithm_for
             from hpcnft.algo.policy import Policy
-            from hpcnft.algo.trainer import Trainer
             from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
             self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
-            self.trainer = Trainer(self.cfg, self._policy, None, 1)
+            self.trainer = algorithm_for(self.cfg).make_trainer(self._policy, None, 1)  # algo.name's
             self.sigmas = family_named(self.S.family).sigma_grid(scheduler(self.S), self.cfg.rollout.num_steps,
                                                                  self.S.latent_shape)
         return self._policy
@@ -114,8 +114,8 @@ class HpcnftStack:
             from hpcnft.perf import levers
             from hpcnft.rewards.pickscore import PickScoreScorer
 
-            self._scorer = levers.prepare_scorer(PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev),
-                                               self.cfg)
+            scorer = PickScoreScorer(clip_processor(), build_clip(self.S, self.dev), self.dev)
+            self._scorer = levers.prepare_scorer(scorer, self.cfg)
         return self._scorer
 
     @property

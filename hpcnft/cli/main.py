@@ -12,8 +12,8 @@ import sys
 from hpcnft.common import collector
 from hpcnft.common.errors import UsageError
 
-DESCRIPTION = ("DiffusionNFT fine-tuning of Stable Diffusion 3.5 and FLUX.1-dev against PickScore or a weighted "
-               "mix of reward terms, as one torch.distributed job, and the tools around its runs.")
+DESCRIPTION = ("DiffusionNFT (or Flow-GRPO) fine-tuning of Stable Diffusion 3.5 and FLUX.1-dev against PickScore or "
+               "a weighted mix of reward terms, as one torch.distributed job, and the tools around its runs.")
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

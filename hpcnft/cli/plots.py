@@ -8,8 +8,13 @@ its mean is what a trend is read from. A series no finished pass holds a value o
 than one pass, an evaluation only in the unfinished last pass) is drawn raw, and `epoch_notes`
 says so: a pass mean would leave its panel empty.
 
+`--x time` draws every series against seconds of training instead of steps: the run's cumulative
+perf/iteration_s (rollout, rewards and train step; evaluations, checkpoints and model loading left
+out), each row at the end of its step's iteration and a pass mean at its mean step's time.
+`--x both` draws each key twice, against steps (left) and seconds (right).
+
 Without --keys the panels are the rollout reward, each evaluation mean beside it, and the
-training curves."""
+training curves (DiffusionNFT's or Flow-GRPO's loss, whichever the runs have)."""
 from __future__ import annotations
 
 import math
@@ -23,7 +28,9 @@ from hpcnft.io import runfile
 from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
 
 REWARD_KEY = "rollout/reward/raw_mean"
-TRAIN_PLOT_KEYS = ["train/nft_loss", "train/grad_norm", "train/nft_pos_loss"]
+TRAIN_PLOT_KEYS = ["train/nft_loss", "train/grpo_loss", "train/grad_norm", "train/nft_pos_loss"]
+TIME_KEY = "perf/iteration_s"  # --x time: the seconds of each step's iteration, summed
+X_AXES = ("step", "time", "both")
 DEFAULT_KEYS_TEXT = f"{REWARD_KEY}, each eval/*_mean beside it, {', '.join(TRAIN_PLOT_KEYS)}"
 
 
@@ -144,6 +151,14 @@ def run_pass_length(run: runfile.RunData) -> tuple[int, int]:
         raise UsageError(f"{run.path}: --smooth epoch counts the run's prompts: {e}") from None
 
 
+def step_clock(run: runfile.RunData) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, seconds): the run's cumulative perf/iteration_s at the end of each step, 0 at step 0."""
+    rows = run.metrics.get(TIME_KEY)
+    if rows is None or not len(rows):
+        raise UsageError(f"{run.path}: --x time needs the run's {TIME_KEY}, which has no rows")
+    return np.concatenate([[0.0], rows[:, 0]]), np.concatenate([[0.0], np.cumsum(rows[:, 1])])
+
+
 def parse_smooth(text: str | None) -> int | str | None:
     """--smooth's value: `epoch`, or a whole number of steps (1 or more)."""
     if text is None or text == EPOCH:
@@ -158,18 +173,19 @@ def parse_smooth(text: str | None) -> int | str | None:
 
 
 def plot_curves(runs: list[runfile.RunData], out: str, keys: list[str] | None = None,
-                smooth: int | str | None = None) -> list[str]:
+                smooth: int | str | None = None, x_axis: str = "step") -> list[str]:
     """One panel per key, the runs overlaid; returns the keys drawn."""
     plt = _pyplot()
-    fig, keys = curves_figure(runs, keys, plt, smooth)
+    fig, keys = curves_figure(runs, keys, plt, smooth, x_axis)
     _save(fig, out, plt)
     return keys
 
 
 def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, plt=None,
-                  smooth: int | str | None = None):
+                  smooth: int | str | None = None, x_axis: str = "step"):
     """(the figure, the keys drawn): a panel per key, the runs overlaid and told apart in the
-    legend; smoothed, each run's raw values stay faint behind its smoothed curve."""
+    legend; smoothed, each run's raw values stay faint behind its smoothed curve. `x_axis`
+    "time": against seconds of training (step_clock) instead of steps."""
     has_rows = {k for r in runs for k, v in r.metrics.items() if len(v)}
     if keys is None:
         keys = default_keys(has_rows)
@@ -179,19 +195,23 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
         if key not in has_rows:
             raise UsageError(f"no run has rows for {key!r}")
     plt = plt or _pyplot()
-    ncols = min(2, len(keys))
-    nrows = math.ceil(len(keys) / ncols)
+    panels = [(key, axis) for key in keys for axis in (("step", "time") if x_axis == "both" else (x_axis,))]
+    ncols = min(2, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.5 * nrows), squeeze=False)
     labels = _run_labels([r.path for r in runs])
     pass_lengths = [run_pass_length(r) for r in runs] if smooth == EPOCH else None
+    clocks = [step_clock(r) for r in runs] if x_axis != "step" else None
     raw_only = []  # per curve drawn under --smooth: whether it fell back to its raw values
-    for ax, key in zip(axes.flat, keys):
+    for ax, (key, axis) in zip(axes.flat, panels):
         drawn = np.zeros((0, 2))
         for i, (run, label) in enumerate(zip(runs, labels)):
             rows = run.metrics.get(key, np.zeros((0, 2)))
             # a line style per run, so that identical curves (same config) stay visible
             style = _LINE_STYLES[i % len(_LINE_STYLES)]
             x, y, label, why_raw = _series(rows, run, label, smooth, pass_lengths[i] if pass_lengths else None)
+            if axis == "time":  # steps to seconds of training
+                x, rows = np.interp(x, *clocks[i]), np.stack([np.interp(rows[:, 0], *clocks[i]), rows[:, 1]], axis=1)
             if smooth is None or why_raw:  # raw only: epoch_notes says why on the command line
                 ax.plot(x, y, marker="." if len(rows) < 50 else None, linestyle=style, label=label)
             else:
@@ -201,13 +221,16 @@ def curves_figure(runs: list[runfile.RunData], keys: list[str] | None = None, pl
             raw_only.append(bool(why_raw))
             drawn = np.concatenate([drawn, rows])
         ax.set_title(key)
-        ax.set_xlabel("step")
         ax.set_ylabel(_y_label(key))
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        if axis == "time":
+            ax.set_xlabel(f"seconds of training (the sum of {TIME_KEY})")
+        else:
+            ax.set_xlabel("step")
+            ax.xaxis.get_major_locator().set_params(integer=True)
         ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not "+6.08e1" offsets
         _single_value_limits(ax, drawn)
         ax.legend(fontsize="small")
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     if smooth is not None and all(raw_only):
         fig.suptitle("raw values: no finished pass over the training prompts to take a mean of")

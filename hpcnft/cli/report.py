@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from hpcnft import __version__
-from hpcnft.cli.plots import DEFAULT_KEYS_TEXT, EPOCH, epoch_notes, parse_smooth, plot_curves, plot_samples
+from hpcnft.cli.plots import (DEFAULT_KEYS_TEXT, EPOCH, X_AXES, epoch_notes, parse_smooth, plot_curves,
+                              plot_samples)
 from hpcnft.common.errors import UsageError
 from hpcnft.common.errors import first_line
 from hpcnft.io import runfile, tbevents
@@ -176,8 +177,11 @@ def eval_policy_line(config) -> str:
     policy = section.get("policy") if isinstance(section, Mapping) else None
     source = "eval.policy" if policy is not None else "the config predates eval.policy"
     policy = "old" if policy is None else str(policy)
-    return (f"eval metrics (eval/*) are of the {policy} policy: {_EVAL_POLICIES.get(policy, 'unknown')} "
-            f"({source}; `hpcnft export` exports it by default)")
+    algo = config.get("algo") if isinstance(config, Mapping) else None
+    what = _EVAL_POLICIES.get(policy, "unknown")
+    if policy == "old" and isinstance(algo, Mapping) and algo.get("name") == "flow_grpo":
+        what = "pi_old, which Flow-GRPO sets to theta after every step: theta, which the rollouts sample with"
+    return f"eval metrics (eval/*) are of the {policy} policy: {what} ({source}; `hpcnft export` exports it by default)"
 
 
 def _metric_table(metrics: Mapping[str, np.ndarray]) -> list[str]:
@@ -245,18 +249,21 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
                    help="draw the rolling mean over N steps, or (epoch) the mean per pass over the training "
                         "prompts (a run's prompt file and rollout.prompts_per_step), the raw values faint behind; "
                         "a series no finished pass holds a value of is drawn raw, with a line saying so")
+    p.add_argument("--x", dest="x_axis", choices=X_AXES, default="step",
+                   help="the x axis: step (default), or time: seconds of training, each run's cumulative "
+                        "perf/iteration_s (evaluations and checkpoints left out), to compare runs per second")
 
 
 def _plot(args: argparse.Namespace) -> int:
     if args.samples:
-        if len(args.runs) != 1 or args.keys or args.smooth:
-            raise UsageError("--samples takes exactly one RUN and no --keys or --smooth")
+        if len(args.runs) != 1 or args.keys or args.smooth or args.x_axis != "step":
+            raise UsageError("--samples takes exactly one RUN and no --keys, --smooth or --x")
         shown = plot_samples(args.runs[0], args.output)
         print(f"wrote {args.output}: {shown} sample grids")
         return 0
     smooth = parse_smooth(args.smooth)
     runs = [runfile.read_run(p) for p in args.runs]
-    keys = plot_curves(runs, args.output, args.keys, smooth)
+    keys = plot_curves(runs, args.output, args.keys, smooth, args.x_axis)
     for note in epoch_notes(runs, keys) if smooth == EPOCH else []:
         print(f"hpcnft plot: {note}", file=sys.stderr)
     print(f"wrote {args.output}: {len(keys)} panels, {len(runs)} runs")

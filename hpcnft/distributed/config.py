@@ -61,3 +61,7 @@ def check_layout(cfg, world_size: int) -> None:
         raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
                           f"{train_ranks} train ranks (prompts_per_step x samples_per_prompt must be a multiple "
                           f"of the train ranks)")
+    parts = cfg.rank_sample_parts  # Flow-GRPO's updates: each train rank takes part in every one alike
+    if (cfg.samples_per_step // train_ranks) % parts:
+        raise ConfigError(f"grpo.updates_per_step: the {cfg.samples_per_step // train_ranks} samples of each of "
+                          f"{train_ranks} train ranks do not split into {parts} equal updates")

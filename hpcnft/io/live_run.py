@@ -9,8 +9,9 @@ import h5py
 from hpcnft.io import runfile
 from hpcnft.io.compare import format_step
 
-# Shown per step: label -> metric key.
+# Shown per step: label -> metric key; a Flow-GRPO run's loss is grpo_loss (GRPO_COLUMNS).
 COLUMNS = {"reward": "rollout/reward/raw_mean", "nft_loss": "train/nft_loss", "grad_norm": "train/grad_norm"}
+GRPO_COLUMNS = {"reward": "rollout/reward/raw_mean", "grpo_loss": "train/grpo_loss", "grad_norm": "train/grad_norm"}
 END_KINDS = ("done", "error")
 
 
@@ -29,6 +30,8 @@ class RunFollower:
         self._events_seen = 0
         self._end: str | None = None
         self._f: h5py.File | None = None
+        self.columns = COLUMNS
+        self.loss = "nft_loss"  # the label of the column that says a step was written: the algorithm's loss
 
     def poll(self) -> tuple[list[str], str | None]:
         """New lines since the last poll, and the end kind ('done'/'error') once the run ended."""
@@ -73,6 +76,8 @@ class RunFollower:
         if schema is None or "events" not in f or "metrics/train/nft_loss" not in f:
             f.close()
             return None  # the writer has not laid out the file yet
+        if "metrics/train/grpo_loss" in f:  # a Flow-GRPO run (its file holds the NFT keys too, empty)
+            self.columns, self.loss = GRPO_COLUMNS, "grpo_loss"
         self._f = f
         return f
 
@@ -85,23 +90,24 @@ class RunFollower:
 
     def _new_step_lines(self, f: h5py.File, flush_all: bool) -> list[tuple[float, str]]:
         columns: dict[str, dict[float, float]] = {}
-        # nft_loss first: whatever was appended before its newest row is then visible too.
-        for name in sorted(COLUMNS, key=lambda name: name != "nft_loss"):
-            ds = f.get(f"metrics/{COLUMNS[name]}")
+        # the loss first: whatever was appended before its newest row is then visible too.
+        loss, shown = self.loss, self.columns
+        for name in sorted(shown, key=lambda name: name != loss):
+            ds = f.get(f"metrics/{shown[name]}")
             if ds is not None:
                 ds.refresh()
                 columns[name] = dict(ds[()].tolist())
-        steps = sorted(s for s in columns["nft_loss"] if self.last_step is None or s > self.last_step)
+        steps = sorted(s for s in columns[loss] if self.last_step is None or s > self.last_step)
         # Appends are not atomic: a step is shown once every column has reached it, or once the
         # writer has moved on to a later step (a cell still missing then stays missing).
         reached = min(max(c, default=-math.inf) for c in columns.values())
-        newest = max(columns["nft_loss"], default=-math.inf)
+        newest = max(columns[loss], default=-math.inf)
         lines = []
         for step in steps:
             if not (flush_all or step <= reached or step < newest):
                 break
             cells = (f"{name} {columns[name][step]:.6g}" if step in columns.get(name, {}) else f"{name} -"
-                     for name in COLUMNS)
+                     for name in shown)
             lines.append((step, f"step {format_step(step)}  " + "  ".join(cells)))
             self.last_step = step
         return lines

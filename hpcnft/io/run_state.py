@@ -16,7 +16,8 @@ import uuid
 import h5py
 import numpy as np
 
-from hpcnft.io.runfile import EVENT_DTYPE, MAX_ROWS, RNG_NAME, RunFileError, error_line, event_row, read_run
+from hpcnft.io.runfile import (EVENT_DTYPE, LOSS_KEYS, MAX_ROWS, RNG_NAME, RunFileError, error_line, event_row,
+                               read_run)
 
 RUN_STATE = "run_state.h5"
 RUN_ID = "run_id"  # root attribute: a random id created with the run file, kept by every copy
@@ -135,8 +136,9 @@ def _scratch() -> str:
 
 def last_step(run) -> int:
     """The last step with training rows in a RunData (0 when none)."""
-    rows = run.metrics.get("train/nft_loss")
-    return int(rows[-1, 0]) if rows is not None and len(rows) else 0
+    ends = [int(rows[-1, 0]) for rows in (run.metrics.get(key) for key in LOSS_KEYS)
+            if rows is not None and len(rows)]
+    return max(ends, default=0)
 
 
 def set_aside(path: str, why: str) -> str:

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from hpcnft.io import run_state
-from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, SCHEMA, RunFileError, error_line, event_row,
+from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_KEYS, SCHEMA, RunFileError, error_line, event_row,
                                open_swmr_reader, read_run)
 
 
@@ -260,8 +260,12 @@ class RunFileWriter:
 
     @_writes
     def last_step(self) -> int:
-        ds = self._f["metrics/train/nft_loss"]
-        return int(ds[-1, 0]) if ds.shape[0] else 0
+        last = 0
+        for key in LOSS_KEYS:  # the algorithm's loss: DiffusionNFT's or Flow-GRPO's
+            ds = self._f.get(f"metrics/{key}")
+            if ds is not None and ds.shape[0]:
+                last = max(last, int(ds[-1, 0]))
+        return last
 
     def close(self) -> None:
         if self._f is None or not self._f.id.valid:

@@ -37,6 +37,13 @@ TRAIN_KEYS = [
         "adv_abs_mean", "nft_t_mean", "nft_num_timesteps", "grad_norm", "lr", "loss_scale", "step_skipped",
     )
 ]
+# Flow-GRPO's train keys (algo.name = "flow_grpo"): its run files hold them beside ALL_KEYS, whose
+# DiffusionNFT-only keys (nft_*) stay empty there; the shared ones (adv_abs_mean, grad_norm, lr,
+# loss_scale, step_skipped, kl_loss) mean the same in both.
+GRPO_TRAIN_KEYS = [f"train/{s}" for s in ("grpo_loss", "grpo_approx_kl", "grpo_clipfrac", "grpo_ratio_mean",
+                                          "grpo_num_timesteps")]
+# Each algorithm's loss, the first key of every step's row it writes: a run's last step is its last row.
+LOSS_KEYS = ("train/nft_loss", "train/grpo_loss")
 KL_KEYS = ["train/kl_loss"]
 EMA_KEYS = ["ema/decay"]
 EVAL_KEYS = ["eval/pickscore_mean", "eval/pickscore_std"]
@@ -159,7 +166,8 @@ def _walk_metrics(group: h5py.Group, prefix: str, out: dict[str, np.ndarray], pa
             _walk_metrics(obj, key + "/", out, path)
         elif isinstance(obj, h5py.Dataset):
             if obj.ndim != 2 or obj.shape[1] != 2 or obj.dtype.kind != "f":
-                raise RunFileError(f"{path}: metric {key!r} has shape {obj.shape} dtype {obj.dtype}, expected (n, 2) float")
+                raise RunFileError(f"{path}: metric {key!r} has shape {obj.shape} dtype {obj.dtype}, "
+                                   "expected (n, 2) float")
             if obj.shape[0] > MAX_ROWS:
                 raise RunFileError(f"{path}: metric {key!r} has {obj.shape[0]} rows, more than {MAX_ROWS}")
             _refresh(obj)

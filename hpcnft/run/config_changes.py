@@ -14,7 +14,8 @@ from hpcnft.common.validation import flatten
 
 # Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
 RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images", "logging.trackers",
+                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
+                       "logging.trackers",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
                        "layout.emulate_hosts"}
 # Keys of each reward term ([] for any index) that say where, how patiently and with which secret
@@ -68,14 +69,17 @@ def _index_order(key: str) -> str:
 def config_changes(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> list[Change]:
     """The settings that differ from config `a` to `b` (as dicts), but those in `ignore`, in key
     order. A list of tables is compared per entry and key (reward.terms[1].weight); when the
-    number of entries differs, that number is the change."""
+    number of entries differs, that number is the change. A key that `a`, the older config, lacks
+    is read as its default (`algo.name`, `[grpo]`: a run made before a key existed ran as its
+    default does)."""
     fa, fb = flatten(a), flatten(b)
+    defaults = flatten(Config().to_dict())
     tables = _table_lists()
     changes = []
     for key in set(fa) | set(fb):
         if key in ignore:
             continue
-        old, new = fa.get(key), fb.get(key)
+        old, new = fa.get(key, defaults.get(key)), fb.get(key)
         if key in tables and isinstance(old, list) and isinstance(new, list):
             if len(old) != len(new):
                 changes.append(Change(key, _Count(len(old)), _Count(len(new))))

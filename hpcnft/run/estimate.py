@@ -131,15 +131,25 @@ def pair_flops(f: ForwardFlops, lora: bool, grad_checkpointing: bool, kl: bool) 
     return f.total * (2 + grad_checkpointing + kl) + f.backward(lora)
 
 
+def grpo_pair_flops(f: ForwardFlops, lora: bool, grad_checkpointing: bool, kl: bool, passes: int) -> float:
+    """One Flow-GRPO train pair: the trained forward and its backward over CFG's `passes`, the
+    forward once more under gradient checkpointing, and the frozen base's forward for a KL term."""
+    return passes * (f.total * (1 + grad_checkpointing + kl) + f.backward(lora))
+
+
 def step_flops(cfg: Config, d: DitDims) -> StepFlops:
     """The DiT FLOPs of one iteration, all train ranks together (hpcnft.algo.iteration: the rollout
-    samples, then the train step's pairs, K trained sigmas a sample)."""
+    samples, then the train step's pairs, K trained sigmas or transitions a sample)."""
     r, t = cfg.rollout, cfg.train
     f = dit_forward_flops(d, image_tokens(d, r.height, r.width), text_tokens(d.family, r.max_sequence_length))
     passes = 2 if d.family == "sd3" and r.guidance_scale > 1.0 else 1  # SD3's CFG: two; FLUX embeds it
     rollout = cfg.samples_per_step * r.num_steps * passes * f.total
-    pairs = cfg.samples_per_step * int(r.num_steps * cfg.nft.timestep_fraction)  # algo.nft.num_trained_sigmas
-    return StepFlops(f, rollout, pairs * pair_flops(f, t.finetune == "lora", t.grad_checkpointing, cfg.nft.kl_beta > 0))
+    pairs = cfg.samples_per_step * cfg.trained_steps  # the algorithm's K a sample
+    lora = t.finetune == "lora"
+    if cfg.algo.name == "flow_grpo":  # no v_old pass; the trained forward guided as the rollout
+        return StepFlops(f, rollout, pairs * grpo_pair_flops(f, lora, t.grad_checkpointing, cfg.grpo.kl_beta > 0,
+                                                             passes))
+    return StepFlops(f, rollout, pairs * pair_flops(f, lora, t.grad_checkpointing, cfg.nft.kl_beta > 0))
 
 
 def cpu_step_seconds(flops: float, workers: int, rate: float = CPU_FLOPS_PER_THREAD) -> float:

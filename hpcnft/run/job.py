@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from hpcnft import __version__
+from hpcnft.algo.algorithms import algorithm_for
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
-from hpcnft.algo.trainer import Trainer
 from hpcnft.common import collector, determinism
 from hpcnft.algo.root_config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
@@ -48,8 +48,9 @@ def build_train_rank(cfg: Config, topo, group, mesh) -> Learner:
         client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s,
                                     reply_columns(cfg))
     policy = Policy(cfg, pipe.transformer, topo.device, mesh)
-    trainer = Trainer(cfg, policy, group, len(topo.train_ranks))
-    return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer)
+    algorithm = algorithm_for(cfg)  # algo.name: DiffusionNFT's or Flow-GRPO's sampler, batch and trainer
+    trainer = algorithm.make_trainer(policy, group, len(topo.train_ranks))
+    return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer, algorithm)
 
 
 class TrainJob:
@@ -106,6 +107,7 @@ class TrainJob:
         cols = term_columns(cfg)
         term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
                                      [t.name for t in cols["eval"]])
+        term_keys += self.tr.algorithm.metric_keys  # what the algorithm writes beyond the shared keys
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         tuple(term_keys))
         self.checkpointer.run_file = w  # its copy, RNG rows and event go with every checkpoint

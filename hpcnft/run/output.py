@@ -53,10 +53,11 @@ def restore_stderr() -> None:
 
 
 def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, first_step: int) -> str:
+    loss = "grpo_loss" if "train/grpo_loss" in m else "nft_loss"  # the algorithm's (algo.name)
     done = step - first_step + 1
     eta = elapsed / done * (steps - step)
     return (f"step {step}/{steps} | reward {m['rollout/reward/raw_mean']:.4f} ± {m['rollout/reward/raw_std']:.4f} "
-            f"| nft_loss {m['train/nft_loss']:.4f} | grad_norm {m['train/grad_norm']:.3e} "
+            f"| {loss} {m['train/' + loss]:.4f} | grad_norm {m['train/grad_norm']:.3e} "
             f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 

@@ -134,6 +134,18 @@ def _case_layout_that_does_not_split_the_samples(tmp):
         ["16 samples per step", "3 train ranks"]
 
 
+def _case_grpo_key_under_nft(tmp):
+    return ["--set", "grpo.clip_range=0.2"], ["grpo.clip_range", "Flow-GRPO", "algo.name", "nft"]
+
+
+def _case_nft_key_under_grpo(tmp):
+    return ["tiny_learns_grpo", "--set", "nft.beta=2.0"], ["nft.beta", "DiffusionNFT", "flow_grpo"]
+
+
+def _case_grpo_noise_level_zero(tmp):
+    return ["tiny_learns_grpo", "--set", "grpo.noise_level=0"], ["grpo.noise_level", "> 0", "0.0"]
+
+
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "missing FLUX folder": _case_missing_flux_folder,
@@ -152,6 +164,9 @@ CASES = {
     "unknown tracker": _case_unknown_tracker,
     "run dir below a regular file": _case_run_dir_below_a_regular_file,
     "layout that does not split the samples": _case_layout_that_does_not_split_the_samples,
+    "Flow-GRPO key under DiffusionNFT": _case_grpo_key_under_nft,
+    "DiffusionNFT key under Flow-GRPO": _case_nft_key_under_grpo,
+    "Flow-GRPO noise level of 0": _case_grpo_noise_level_zero,
 }
 
 

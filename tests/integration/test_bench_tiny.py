@@ -68,7 +68,8 @@ def test_bench_tiny_profile_writes_tables_and_a_summary(tiny_bench):
                  "train/micro_batch", "train/optimizer"):
         assert it[part]["calls"] >= 1 and it[part]["cpu_s"] > 0, (part, it)
     assert it["train/micro_batch"]["calls"] == doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]["pairs"] // 8
-    assert "train/old_pass" in summary["train_pairs"]["spans"] and "rollout/sample" not in summary["train_pairs"]["spans"]
+    spans = summary["train_pairs"]["spans"]
+    assert "train/old_pass" in spans and "rollout/sample" not in spans
     assert summary["rollout_forward"]["phase"] == "rollout_fwd_b8"
     assert summary["train_pairs"]["phase"] == "train_pair_mb8"
     for name, s in summary.items():
@@ -283,3 +284,43 @@ def test_bench_reward_terms_times_every_term_per_image(tmp_path):
         assert towers["vision_params"] > 0 and towers["text_params"] > 0 and towers["dtype"] == "fp32", towers
     assert fast["reward_term_towers"]["aesthetic"]["head_params"] > 0
     assert not fast["phases"]["jpeg"].get("flops")  # no model: nothing to count
+
+
+@pytest.mark.slow
+def test_bench_tiny_measures_flow_grpo_beside_nft_in_one_process(tmp_path):
+    """`--algo nft,flow_grpo`: the fast stack's train pairs and iteration for both algorithms, in
+    one process; Flow-GRPO's at its SD3.5-M recipe's CFG, KL and updates, without NFT's levers."""
+    from hpcnft.bench.grpo_stack import NFT_ONLY
+
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny", "--algo", "nft,flow_grpo", "--no-default", "--phases", "train,iteration",
+               "--json", out, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert not doc["errors"] and not doc["skipped"], doc
+    stacks = doc["stacks"]
+    assert {k: set(v["phases"]) for k, v in stacks.items()} == {
+        "hpcnft_fast": {"train_pair_mb8", "iteration"}, "hpcnft_fast_grpo": {"train_pair_mb8", "iteration"}}
+    grpo = stacks["hpcnft_fast_grpo"]
+    over = grpo["config"]["overrides"]
+    assert over["algo.name"] == "flow_grpo" and over["rollout.guidance_scale"] == 4.5 and over["grpo.kl_beta"] == 0.01
+    assert not set(NFT_ONLY) & set(over) and over["perf.merge_lora_nograd"] is True  # the other levers kept
+    assert grpo["phases"]["train_pair_mb8"]["flops"] > 0 and grpo["phases"]["train_pair_mb8"]["per_unit_s"] > 0
+    met = grpo["phases"]["iteration"]["metrics"]
+    assert met["perf/iteration_s"] > 0 and met["train/kl_loss"] >= 0 and met["train/grpo_num_timesteps"] == 9
+    assert "train/nft_loss" in stacks["hpcnft_fast"]["phases"]["iteration"]["metrics"]
+    assert "flow_grpo time / nft time, fast" in r.stdout and "| iteration |" in r.stdout
+
+
+def test_bench_algo_names_are_the_config_s():
+    from hpcnft.algo.config import ALGORITHMS
+    from hpcnft.bench.command import ALGOS
+
+    assert ALGOS == ALGORITHMS
+
+
+@pytest.mark.parametrize("args, said", [(["--algo", "grpo"], "unknown algorithm grpo"),
+                                        (["--algo", "flow_grpo", "--baseline"], "add nft to --algo")])
+def test_bench_bad_algo_is_one_line_usage_error(args, said):
+    r = hpcnft("bench", "--shapes", "tiny", *args, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
-from jobs import TINY_ARGS, assert_same_metrics, copy_run, hpcnft, kill_all_ranks, rank_logs, start, wait_for_line
-from hpcnft.io.runfile import RunFileError, read_run
+from jobs import (TINY_ARGS, assert_same_metrics, copy_run, hpcnft, kill_all_ranks, start, wait_for_attempts,
+                  wait_for_line)
+from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
 
 STEPS = "3"
-
-
-def wait_for_attempts(run_dir: str, n: int, proc, timeout: float = 120) -> None:
-    """Until run.h5 records its n-th attempt (rank 0 has opened it and is into the step). A read
-    that meets the writer's brief non-SWMR reopen (where an attempt is added) finds nothing yet."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if len(read_run(run_dir).attempts) >= n:
-                return
-        except RunFileError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, rank_logs(run_dir)
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

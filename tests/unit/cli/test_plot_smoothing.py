@@ -211,3 +211,60 @@ def test_the_default_panels_put_each_evaluation_mean_beside_the_rollout_reward()
     plt.close(fig)
     assert plots.default_keys({"rollout/reward/raw_mean", "train/nft_loss"}) == ["rollout/reward/raw_mean",
                                                                                   "train/nft_loss"]
+
+
+# -- --x time|both: against seconds of training ------------------------------------------------
+def timed_run(path: str, seconds: list[float]) -> RunData:
+    """Four steps of reward 0, 1, 2, 3 whose iterations took `seconds`, and an evaluation at step 0."""
+    run = run_with({"data": {"train_prompts": "builtin:tiny_train_prompts.txt"}, "rollout": {"prompts_per_step": 4}})
+    run.path = path
+    run.metrics["perf/iteration_s"] = np.array([[k + 1, s] for k, s in enumerate(seconds)])
+    run.metrics["eval/pickscore_mean"] = np.array([[0, 0.5], [4, 0.75]])
+    return run
+
+
+def test_time_axis_puts_each_row_at_the_sum_of_the_iterations_through_its_step():
+    import matplotlib.pyplot as plt
+
+    fast = timed_run("/runs/fast/run.h5", [1.0, 1.0, 1.0, 1.0])
+    slow = timed_run("/runs/slow/run.h5", [2.0, 3.0, 2.0, 1.0])
+    fig, _ = plots.curves_figure([fast, slow], ["rollout/reward/raw_mean", "eval/pickscore_mean"], x_axis="time")
+    reward, evals = fig.axes[0], fig.axes[1]
+    assert [line.get_xdata().tolist() for line in reward.get_lines()] == [[1, 2, 3, 4], [2, 5, 7, 8]]
+    assert [line.get_xdata().tolist() for line in evals.get_lines()] == [[0, 4], [0, 8]]  # before step 1: 0 s
+    assert reward.get_xlabel() == "seconds of training (the sum of perf/iteration_s)"
+    plt.close(fig)
+
+
+def test_time_axis_with_epoch_means_puts_a_pass_at_its_middle_step_s_time():
+    import matplotlib.pyplot as plt
+
+    run = timed_run("/runs/a/run.h5", [1.0, 2.0, 4.0, 8.0])
+    run.config = {"data": {"train_prompts": "builtin:tiny_train_prompts.txt"}, "rollout": {"prompts_per_step": 16}}
+    fig, _ = plots.curves_figure([run], ["rollout/reward/raw_mean"], smooth="epoch", x_axis="time")
+    raw, means = fig.axes[0].get_lines()  # 32 prompts, 16 a step: passes of steps 1-2 and 3-4
+    assert raw.get_xdata().tolist() == [1, 3, 7, 15] and means.get_ydata().tolist() == [0.5, 2.5]
+    assert means.get_xdata().tolist() == [2.0, 11.0]  # steps 1.5 and 3.5: halfway between the steps' times
+    plt.close(fig)
+
+
+def test_both_axes_draw_each_key_against_steps_then_seconds():
+    import matplotlib.pyplot as plt
+
+    fig, keys = plots.curves_figure([timed_run("/runs/a/run.h5", [1.0, 2.0, 1.0, 2.0])],
+                                    ["rollout/reward/raw_mean", "eval/pickscore_mean"], x_axis="both")
+    shown = [(ax.get_title(), ax.get_xlabel().split()[0]) for ax in fig.axes if ax.get_visible()]
+    assert shown == [("rollout/reward/raw_mean", "step"), ("rollout/reward/raw_mean", "seconds"),
+                     ("eval/pickscore_mean", "step"), ("eval/pickscore_mean", "seconds")]
+    assert keys == ["rollout/reward/raw_mean", "eval/pickscore_mean"]
+    plt.close(fig)
+
+
+def test_time_axis_of_a_run_without_iteration_times_is_one_line():
+    with pytest.raises(UsageError, match=r"^/runs/a/run.h5: --x time needs the run's perf/iteration_s"):
+        plots.curves_figure([run_with({})], ["rollout/reward/raw_mean"], x_axis="time")
+
+
+def test_flow_grpo_s_loss_is_a_default_panel():
+    assert plots.default_keys({"rollout/reward/raw_mean", "train/grpo_loss", "train/grad_norm"}) == [
+        "rollout/reward/raw_mean", "train/grpo_loss", "train/grad_norm"]

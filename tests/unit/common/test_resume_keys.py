@@ -89,3 +89,13 @@ def test_the_description_is_one_line_of_bounded_length():
 def test_run_length_and_other_mutable_keys_stay_silent():
     after = load_config("tiny", ["steps=99", "checkpoint.every=1"]).to_dict()
     assert config_changes(load_config("tiny").to_dict(), after) == []
+
+
+def test_a_config_from_before_a_key_existed_reads_it_as_its_default():
+    """A checkpoint of a run made before `algo` and `[grpo]` existed resumes as DiffusionNFT; a
+    start that asks for Flow-GRPO is refused, naming the key."""
+    now = load_config("tiny").to_dict()
+    before = {k: v for k, v in now.items() if k not in ("algo", "grpo")}
+    assert differing_keys(before, now) == []
+    assert differing_keys(before, load_config("tiny", ["algo.name=flow_grpo"]).to_dict()) == ["algo.name"]
+    assert differing_keys(now, before) == ["algo.name"] + [f"grpo.{k}" for k in sorted(now["grpo"])]

@@ -96,6 +96,17 @@ def test_cfg_checkpointing_kl_and_full_fine_tune_add_their_passes():
     assert step_flops(load_config("tiny_flux"), flux).rollout == 16 * 10 * dit_forward_flops(flux, 16, 16).total
 
 
+def test_a_flow_grpo_pair_has_no_v_old_pass_and_its_trained_forward_takes_cfg_s_passes():
+    nft, f = step_flops(load_config("tiny"), TINY), dit_forward_flops(TINY, 16, 93)
+    pairs = 16 * 9
+    grpo = load_config("tiny", ["algo.name=flow_grpo"])
+    assert step_flops(grpo, TINY).train == nft.train - pairs * f.total  # v_old's forward gone
+    guided = step_flops(load_config("tiny", ["algo.name=flow_grpo", "rollout.guidance_scale=4.5"]), TINY)
+    assert guided.train == 2 * step_flops(grpo, TINY).train and guided.rollout == 2 * nft.rollout
+    kl = load_config("tiny", ["algo.name=flow_grpo", "grpo.kl_beta=0.01"])
+    assert step_flops(kl, TINY).train == step_flops(grpo, TINY).train + pairs * f.total
+
+
 # -- the notes ------------------------------------------------------------------------------------
 @pytest.fixture
 def cpu(monkeypatch):
