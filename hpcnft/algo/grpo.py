@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from hpcnft.algo.nft import prompt_groups
 from hpcnft.common.determinism import stable_hash
 
 STD_EPS = 1e-4  # PerPromptStatTracker's
@@ -59,12 +60,8 @@ def group_advantages(rewards: torch.Tensor, prompts: list[str], global_std: bool
     r = rewards.to(torch.float64)
     if len(prompts) != r.numel():
         raise ValueError(f"group_advantages: {len(prompts)} prompts for {r.numel()} rewards")
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(p, []).append(i)
     out = torch.empty_like(r)
-    for members in groups.values():
-        index = torch.tensor(members)
+    for index in prompt_groups(prompts):
         std = r.std(unbiased=False) if global_std else r[index].std(unbiased=False)
         out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
     return out

@@ -29,14 +29,19 @@ def advantages(rewards: torch.Tensor, group_size: int, std_estimator: str = "unb
         return ((r.view(-1, group_size) - group_mean) / (std + STD_EPS)).reshape(-1)
     if len(prompts) != r.numel():
         raise ValueError(f"advantages: {len(prompts)} prompts for {r.numel()} rewards")
+    out = torch.empty_like(r)
+    for index in prompt_groups(prompts):
+        out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
+    return out
+
+
+def prompt_groups(prompts: list[str]) -> list[torch.Tensor]:
+    """The positions of each distinct prompt text, in order of first appearance: the groups
+    whose statistics advantages are taken over (exact text)."""
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
         groups.setdefault(p, []).append(i)
-    out = torch.empty_like(r)
-    for members in groups.values():
-        index = torch.tensor(members)
-        out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
-    return out
+    return [torch.tensor(members) for members in groups.values()]
 
 
 def optimality_r(adv: torch.Tensor, clip_max: float, mode: str = "all") -> torch.Tensor:

@@ -92,9 +92,9 @@ class PromptEncoder:
                 enc.to("cpu")
 
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        self._encode_missing([prompt])
+        self._encode_missing([prompt])  # again only if a long call's own prompts were evicted
         pe, pooled = self.cache[prompt]
-        return (pe.to(self.device), pooled.to(self.device)) if self.offload else (pe, pooled)
+        return pe.to(self.device), pooled.to(self.device)  # offloaded: from CPU memory; else the same tensors
 
     def __call__(self, prompts: list[str]) -> Conditioning:
         self._encode_missing(prompts + ([""] if self.cfg else []))  # the encoders come to the device once

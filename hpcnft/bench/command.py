@@ -18,22 +18,20 @@ ALGOS = ("nft", "flow_grpo")  # hpcnft.algo.config.ALGORITHMS (a test holds the 
 DEFAULT_PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
 
 
-def _phase_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in PHASES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown phase {', '.join(unknown) or repr(text)} "
-                                         f"(choose from {', '.join(PHASES)})")
-    return names
+def _names_of(what: str, choices: tuple[str, ...]):
+    """An argparse type: a comma-separated list of `choices` (a `what` each)."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)} "
+                                             f"(choose from {', '.join(choices)})")
+        return names
+    return parse
 
 
-def _algo_list(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in ALGOS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown algorithm {', '.join(unknown) or repr(text)} "
-                                         f"(choose from {', '.join(ALGOS)})")
-    return names
+_phase_list = _names_of("phase", PHASES)
+_algo_list = _names_of("algorithm", ALGOS)
 
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
