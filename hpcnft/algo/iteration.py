@@ -103,6 +103,8 @@ class Learner:
         noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
                                        pin=self.topo.device.type == "cuda")
         self.algorithm.begin_rollout(self, step, parts)
+        # perf.text_encoders=offload: the step's prompts in one encoder pass, not one per chunk
+        self.encoder.prepare(self.stream.for_samples(step, mine, cfg.rollout.prompts_per_step, g))
         x0s, pes, pools, imgs, pending, kept = [], [], [], [], [], []
         with self.policy.rollout_weights():  # perf.rollout_fp8 (evaluation keeps its precision)
             for chunk, noise in zip(parts, noises):

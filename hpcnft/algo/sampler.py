@@ -62,8 +62,10 @@ class Conditioning:
 
 class PromptEncoder:
     """Encodes prompts one at a time (so batching never changes an embedding) and caches them.
-    `offload` (perf.text_encoders): the text encoders wait in CPU memory and come to `device`
-    only while prompts not yet cached are encoded; the cache is in CPU memory too."""
+    `offload` (perf.text_encoders): the text encoders' weights stay in (pinned) CPU memory; a
+    device copy of them is made for each pass over prompts not yet cached and dropped after it
+    (frozen weights: nothing is copied back), and the cache is in CPU memory too. `prepare`
+    encodes a whole step's prompts in one such pass."""
 
     def __init__(self, pipe, max_sequence_length: int, device: torch.device, cfg: bool, cache_size: int = 4096,
                  offload: bool = False):
@@ -72,24 +74,42 @@ class PromptEncoder:
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.cache_size = cache_size
         self.offload = offload
+        self.passes = 0  # encoder passes over new prompts (each one device copy when offloaded)
+
+    @contextlib.contextmanager
+    def _encoders_on_device(self):
+        if not self.offload:
+            yield
+            return
+        tensors = [t for enc in self.family.text_encoders(self.pipe) for t in (*enc.parameters(), *enc.buffers())]
+        if self.device.type == "cuda" and not all(t.is_pinned() for t in tensors):
+            for t in tensors:  # once: pinned memory copies to the GPU at full speed, without staging
+                t.data = t.data.pin_memory()
+        host = [t.data for t in tensors]
+        for t, h in zip(tensors, host):
+            t.data = h.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for t, h in zip(tensors, host):
+                t.data = h
 
     @torch.no_grad()
     def _encode_missing(self, prompts: list[str]) -> None:
         missing = list(dict.fromkeys(p for p in prompts if p not in self.cache))
         if not missing:
             return
-        encoders = self.family.text_encoders(self.pipe) if self.offload else []
-        for enc in encoders:
-            enc.to(self.device)
-        try:
+        self.passes += 1
+        with self._encoders_on_device():
             for prompt in missing:
                 if len(self.cache) >= self.cache_size:
                     self.cache.pop(next(iter(self.cache)))
                 pe, pooled = self.family.encode_prompt(self.pipe, prompt, self.msl, self.device)
                 self.cache[prompt] = (pe.cpu(), pooled.cpu()) if self.offload else (pe, pooled)
-        finally:
-            for enc in encoders:
-                enc.to("cpu")
+
+    def prepare(self, prompts: list[str]) -> None:
+        """Encode what `prompts` (a step's) need in one pass, so the encoders come to the device once."""
+        self._encode_missing(prompts + ([""] if self.cfg else []))
 
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         self._encode_missing([prompt])  # again only if a long call's own prompts were evicted
@@ -97,7 +117,7 @@ class PromptEncoder:
         return pe.to(self.device), pooled.to(self.device)  # offloaded: from CPU memory; else the same tensors
 
     def __call__(self, prompts: list[str]) -> Conditioning:
-        self._encode_missing(prompts + ([""] if self.cfg else []))  # the encoders come to the device once
+        self.prepare(prompts)
         pos = [self._encode_one(p) for p in prompts]
         cond = Conditioning(torch.cat([p[0] for p in pos]), torch.cat([p[1] for p in pos]))
         if self.cfg:

@@ -31,6 +31,29 @@ def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache
     assert entry["recipe"] == "sd35m_pickscore_24gb" and entry["fits"] and entry["peak_gib"] <= 24
 
 
+def test_an_offloaded_encoder_pass_leaves_the_pinned_host_weights_in_place(tiny_models):
+    import torch
+
+    from hpcnft.algo.sampler import PromptEncoder
+    from hpcnft.models.families import family_named
+
+    family = family_named("sd3")
+    cuda = torch.device("cuda")
+    pipe = family.load(tiny_models[0], torch.float16, cuda, cuda)
+    on_device = PromptEncoder(pipe, 16, cuda, cfg=True)(["a cat"])
+    for enc in family.text_encoders(pipe):
+        enc.to("cpu")
+    encoder = PromptEncoder(pipe, 16, cuda, cfg=True, offload=True)
+    encoder.prepare(["a cat"])
+    weights = [t for enc in family.text_encoders(pipe) for t in (*enc.parameters(), *enc.buffers())]
+    pointers = [t.data_ptr() for t in weights]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in weights)
+    encoder(["a dog"])  # a second pass: a device copy made and dropped, nothing copied back
+    assert [t.data_ptr() for t in weights] == pointers and all(t.is_pinned() for t in weights)
+    got = encoder(["a cat"])
+    assert got.prompt_embeds.device.type == "cuda" and torch.equal(got.prompt_embeds, on_device.prompt_embeds)
+
+
 def test_offloaded_text_encoders_change_no_bit_of_a_tiny_job(tmp_path, hpcnft_cache):
     runs = [str(tmp_path / name) for name in ("device", "offload")]
     for run_dir, place in zip(runs, ("device", "offload")):

@@ -146,6 +146,44 @@ def _case_grpo_noise_level_zero(tmp):
     return ["tiny_learns_grpo", "--set", "grpo.noise_level=0"], ["grpo.noise_level", "> 0", "0.0"]
 
 
+def _sd35m_job(tmp, recipe: str, *sets: str) -> list[str]:
+    """`recipe` on an SD3.5-Medium folder (as its transformer's config.json says: the folder check
+    and the budget read nothing more before loading) and the tiny prompts."""
+    from hpcnft.models.folders import PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED
+
+    sd3, pick = tmp / "sd3.5-medium", tmp / "PickScore_v1"
+    for folder, required in ((sd3, SD3_REQUIRED), (pick, PICKSCORE_REQUIRED + PROCESSOR_REQUIRED)):
+        for rel in required:
+            path = folder / rel.split("|")[0]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if "." in path.name:
+                path.write_text("{}")
+            else:
+                path.mkdir(exist_ok=True)
+    (sd3 / "transformer" / "config.json").write_text('{"_class_name": "SD3Transformer2DModel", "num_layers": 24}')
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("a red car\na blue bird\n")
+    return [recipe, "--set", f"models.sd3_dir={sd3}", "--set", f"models.pickscore_dir={pick}",
+            "--set", f"models.pickscore_processor_dir={pick}", "--set", f"data.train_prompts={prompts}",
+            "--set", f"data.eval_prompts={prompts}", *(x for kv in sets for x in ("--set", kv))]
+
+
+def _case_recipe_over_its_memory_budget(tmp):
+    from hpcnft.perf import memory
+
+    [small] = [r for r in memory.rungs("sd35m") if r.card_gib == 24]
+    return _sd35m_job(tmp, "sd35m_pickscore_80gb", "perf.memory_budget_gib=24"), \
+        ["perf.memory_budget_gib = 24", "these settings measured", small.recipe, f"{small.peak_gib:.1f} GiB"]
+
+
+def _case_memory_budget_below_every_measurement(tmp):
+    from hpcnft.perf import memory
+
+    smallest = min((r for r in memory.rungs("sd35m") if r.peak_gib), key=lambda r: r.card_gib)
+    return _sd35m_job(tmp, "sd35m_pickscore_24gb", "perf.memory_budget_gib=16"), \
+        ["perf.memory_budget_gib = 16", f"{smallest.card_gib} GiB cap", smallest.recipe, f"{smallest.peak_gib:.1f}"]
+
+
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "missing FLUX folder": _case_missing_flux_folder,
@@ -167,6 +205,8 @@ CASES = {
     "Flow-GRPO key under DiffusionNFT": _case_grpo_key_under_nft,
     "DiffusionNFT key under Flow-GRPO": _case_nft_key_under_grpo,
     "Flow-GRPO noise level of 0": _case_grpo_noise_level_zero,
+    "recipe over its memory budget": _case_recipe_over_its_memory_budget,
+    "memory budget below every measurement": _case_memory_budget_below_every_measurement,
 }
 
 
