@@ -209,8 +209,10 @@ class Learner:
         n = cfg.eval.num_prompts or len(self.eval_prompts)
         n = min(n, len(self.eval_prompts))
         pending = []  # (prompt ids, request)
+        parts = eval_chunks(n, self.topo, cfg.rollout.batch_size)
+        self.encoder.prepare([self.eval_prompts[max(i, 0)] for chunk in parts for i in chunk])
         with self.policy.eval_weights():
-            for chunk in eval_chunks(n, self.topo, cfg.rollout.batch_size):
+            for chunk in parts:
                 real = [i for i in chunk if i >= 0]
                 ids = [i if i >= 0 else 0 for i in chunk]
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")

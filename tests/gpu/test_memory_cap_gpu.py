@@ -31,7 +31,7 @@ def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache
     assert entry["recipe"] == "sd35m_pickscore_24gb" and entry["fits"] and entry["peak_gib"] <= 24
 
 
-def test_an_offloaded_encoder_pass_leaves_the_pinned_host_weights_in_place(tiny_models):
+def test_embeddings_are_cached_off_the_gpu_and_an_offloaded_pass_leaves_the_pinned_weights_in_place(tiny_models):
     import torch
 
     from hpcnft.algo.sampler import PromptEncoder
@@ -40,7 +40,11 @@ def test_an_offloaded_encoder_pass_leaves_the_pinned_host_weights_in_place(tiny_
     family = family_named("sd3")
     cuda = torch.device("cuda")
     pipe = family.load(tiny_models[0], torch.float16, cuda, cuda)
-    on_device = PromptEncoder(pipe, 16, cuda, cfg=True)(["a cat"])
+    resident = PromptEncoder(pipe, 16, cuda, cfg=True)
+    on_device = resident(["a cat"])
+    # a run's cached embeddings (up to 11 GB for SD3.5) stay off the GPU, encoders there or not
+    assert on_device.prompt_embeds.device.type == "cuda"
+    assert all(pe.device.type == "cpu" and pooled.device.type == "cpu" for pe, pooled in resident.cache.values())
     for enc in family.text_encoders(pipe):
         enc.to("cpu")
     encoder = PromptEncoder(pipe, 16, cuda, cfg=True, offload=True)

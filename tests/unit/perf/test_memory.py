@@ -114,6 +114,30 @@ def test_offloaded_text_encoders_encode_a_steps_new_prompts_in_one_pass_with_the
     assert all(pe.device.type == "cpu" for pe, _ in offloaded.cache.values())
 
 
+def test_an_iteration_and_an_evaluation_each_encode_their_new_prompts_in_one_pass(hpcnft_cache):
+    """The tiny iteration (16 samples in rollout chunks of 4) with the tiny text encoders offloaded:
+    one encoder pass for a step's new prompts, one for the evaluation's (in chunks too)."""
+    from hpcnft.bench.shapes import _MESH, tiny_shapes
+    from hpcnft.bench.stack import HpcnftStack
+
+    stack = HpcnftStack("t", "t", tiny_shapes(), torch.device("cpu"),
+                        {"perf.text_encoders": "offload", "rollout.batch_size": 4, "eval.num_prompts": 8},
+                        real_text=True)
+    try:
+        learner, iterate = stack.train_rank, stack.iteration()[0]
+        iterate()  # step 1 (its prompts: encoded at construction, for the DiT's FLOP count)
+        before = learner.encoder.passes
+        iterate()  # step 2: new prompts
+        assert learner.encoder.passes == before + 1
+        learner.evaluate()
+        assert learner.encoder.passes == before + 2
+    finally:
+        stack.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        _MESH.clear()
+
+
 def test_the_vae_decodes_in_slices_of_the_batch_it_is_given(tiny_models):
     from hpcnft.algo.sampler import decode_to_uint8
     from hpcnft.models.families import family_named
