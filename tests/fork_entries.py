@@ -30,3 +30,23 @@ def report(argv):
 
 def broken_prepare(argv):
     raise ImportError("no module named 'diffusers'")
+
+
+def holds_the_rendezvous(argv):
+    """Rank 0 inherits a socket that already listens on MASTER_PORT, so no other process can bind
+    that port; the other ranks get neither the variable nor the socket. Exit 0 when so."""
+    import errno
+    import socket
+
+    port, held = int(os.environ["MASTER_PORT"]), os.environ.get("HPCNFT_MASTER_LISTEN_FD")
+    if os.environ["RANK"] != "0":
+        return 0 if held is None else 3
+    with socket.socket(fileno=os.dup(int(held))) as rendezvous:
+        if rendezvous.getsockname()[1] != port or not rendezvous.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return 4
+    with socket.socket() as intruder:
+        try:
+            intruder.bind(("127.0.0.1", port))
+        except OSError as e:
+            return 0 if e.errno == errno.EADDRINUSE else 5
+    return 6

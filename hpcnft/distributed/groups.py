@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hpcnft.common.errors import ConfigError, first_line
 from hpcnft.distributed import netif
-from hpcnft.distributed.launch import LaunchInfo, roles  # noqa: F401 - roles: where they were
+from hpcnft.distributed.launch import MASTER_LISTEN_FD_ENV, LaunchInfo, roles  # noqa: F401 - roles: where they were
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:
@@ -95,6 +95,16 @@ def rendezvous_error(e: BaseException, info: LaunchInfo, route: str = "") -> Ren
     return RendezvousError(f"rank {info.rank} cannot rendezvous at {where}{via}: {first}")
 
 
+def local_store(info: LaunchInfo, timeout: datetime.timedelta, env=os.environ) -> dist.TCPStore:
+    """The rendezvous store of ranks the local spawner started: rank 0 serves it on the socket the
+    spawner already listens on (MASTER_LISTEN_FD_ENV), which no other process can take between
+    the port's choice and its use, as it could a port merely named in MASTER_PORT."""
+    listen_fd = env.get(MASTER_LISTEN_FD_ENV) if info.rank == 0 else None
+    return dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=info.rank == 0,
+                         timeout=timeout, multi_tenant=True,
+                         master_listen_fd=int(listen_fd) if listen_fd else None)
+
+
 def resolve_backend(cfg, device: torch.device) -> str:
     """The collective backend: layout.backend, or NCCL on GPUs and gloo on CPUs. Refuses
     layout.emulate_hosts where it cannot apply (ConfigError)."""
@@ -126,8 +136,8 @@ def setup(cfg, info: LaunchInfo):
     kwargs = {"device_id": device} if backend == "nccl" else {}
     netif.bind_collectives(os.environ)  # before the group: gloo and NCCL read it when they start
     try:
-        dist.init_process_group(backend, init_method=info.init_method,
-                                rank=info.rank, world_size=info.world_size, timeout=timeout, **kwargs)
+        meet = {"store": local_store(info, timeout)} if info.launcher == "local" else {"init_method": info.init_method}
+        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout, **meet, **kwargs)
     except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
         raise rendezvous_error(e, info, netif.route_to(info.master_addr)) from e
     topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,

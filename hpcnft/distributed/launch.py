@@ -1,8 +1,8 @@
 """Who am I: what a rank learns from its launcher's environment (pure: no torch), the names each
 launcher's variables have, and Slurm host lists and ports.
 
-`hpcnft.distributed.detect.detect(os.environ)` answers rank, world size, local rank, master address/port, Slurm job id and
-restart count for every way hpcnft is started on a cluster. The variables each launcher sets are
+`hpcnft.distributed.detect.detect(os.environ)` answers rank, world size, local rank, master address/port,
+Slurm job id and restart count for every way hpcnft is started on a cluster. The variables each launcher sets are
 a table here (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small reader per launcher in
 distributed.detect applies its rules.
 Detection order, first match wins (each row is a unit test):
@@ -26,7 +26,8 @@ local spawner of launcher "none", whose ranks are all children of this process).
 Master port: ``MASTER_PORT`` if set; else ``job_port(SLURM_JOB_ID)`` under Slurm (every rank of
 the job derives the same port; concurrent steps of one job need ``MASTER_PORT``); else, under
 mpirun without Slurm, a hash of ``OMPI_MCA_orte_hnp_uri``/``PMIX_NAMESPACE``/``PMI_JOBID``
-(unique per mpirun); else 29500.
+(unique per mpirun); else 29500. The local spawner sets MASTER_PORT to a socket it already listens
+on and hands that socket to rank 0 (MASTER_LISTEN_FD_ENV), which serves the rendezvous on it.
 
 World sizes are cross-checked where two sources describe the same launch (an MPI world that
 Slurm's srun launched task by task must have SLURM_NTASKS ranks); a mismatch raises
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from hpcnft.common.errors import ConfigError
 
 __all__ = ["LaunchInfo", "LaunchError", "NodelistError", "parse_nodelist", "job_port", "LAUNCHERS", "DEFAULT_PORT",
-           "EnvNames", "LAUNCHER_ENV", "SLURM_ENV"]
+           "EnvNames", "LAUNCHER_ENV", "SLURM_ENV", "MASTER_LISTEN_FD_ENV"]
 
 LAUNCHERS = ("torchrun", "openmpi", "pmi", "pmix", "slurm", "none")
 DEFAULT_PORT = 29500
@@ -124,6 +125,9 @@ SLURM_ENV = {
 # What tells one mpirun from another, for its port when no Slurm job id is there.
 MPIRUN_ID = ("OMPI_MCA_orte_hnp_uri", "PMIX_NAMESPACE", "PMI_JOBID")
 MASTER_ENV = ("MASTER_ADDR", "MASTER_PORT")
+# Set by the local spawner for rank 0 only: a socket already listening on MASTER_PORT, on which
+# rank 0 serves the rendezvous store, so no other process can take the port in between.
+MASTER_LISTEN_FD_ENV = "HPCNFT_MASTER_LISTEN_FD"
 
 
 # ------------------------------------------------------------------------------- ports and hosts

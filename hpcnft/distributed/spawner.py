@@ -15,6 +15,7 @@ import sys
 import time
 
 from hpcnft.distributed import preempt
+from hpcnft.distributed.launch import LOOPBACK, MASTER_LISTEN_FD_ENV
 
 RANK_COMMAND = (sys.executable, "-m", "hpcnft.run.rank")
 FORK_SERVER_COMMAND = (sys.executable, "-m", "hpcnft.distributed.fork_server")
@@ -27,8 +28,18 @@ PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def listening_socket() -> socket.socket:
+    """A loopback socket the kernel gave a free port and that already listens: the local job's
+    rendezvous, handed to rank 0. A port only chosen (free_port) can be taken by another process
+    (another job's store, a client's ephemeral port) before rank 0 binds it."""
+    s = socket.socket()
+    s.bind((LOOPBACK, 0))
+    s.listen(128)
+    return s
 
 
 def describe_exit(code: int) -> str:
@@ -171,28 +182,30 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     def say(text: str) -> None:
         print(f"hpcnft: {text}", file=sys.stderr, flush=True)
 
-    port = free_port()
-    envs, fds = [], []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
-        if rank0_fd:
-            env.pop(rank0_fd[0], None)
-        if rank == 0 and rank0_fd:
-            env[rank0_fd[0]] = str(rank0_fd[1])
-        envs.append(env)
-        fds.append((rank0_fd[1],) if rank == 0 and rank0_fd else ())
-    early = preempt.early_signal()
-    if fork is not None and not early:
-        try:
-            procs = fork_ranks(fork, argv, envs, fds, (rank0_fd[1],) if rank0_fd else ())
-        except (OSError, RuntimeError) as e:  # its traceback, if any, is above
-            say(f"cannot start the ranks: {e}")
-            return 1
-        early = procs if isinstance(procs, str) else ""
-    elif not early:
-        procs = [subprocess.Popen([*command, *argv], env=env, pass_fds=keep) for env, keep in zip(envs, fds)]
+    with listening_socket() as rendezvous:  # rank 0 keeps its copy; the spawner's closes once they started
+        rank0_fds = {MASTER_LISTEN_FD_ENV: rendezvous.fileno(), **dict([rank0_fd] if rank0_fd else [])}
+        envs, fds = [], []
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK,
+                       MASTER_PORT=str(rendezvous.getsockname()[1]),
+                       HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
+            for name, fd in rank0_fds.items():
+                env.pop(name, None)
+                if rank == 0:
+                    env[name] = str(fd)
+            envs.append(env)
+            fds.append(tuple(rank0_fds.values()) if rank == 0 else ())
+        early = preempt.early_signal()
+        if fork is not None and not early:
+            try:
+                procs = fork_ranks(fork, argv, envs, fds, tuple(rank0_fds.values()))
+            except (OSError, RuntimeError) as e:  # its traceback, if any, is above
+                say(f"cannot start the ranks: {e}")
+                return 1
+            early = procs if isinstance(procs, str) else ""
+        elif not early:
+            procs = [subprocess.Popen([*command, *argv], env=env, pass_fds=keep) for env, keep in zip(envs, fds)]
     if early:
         say(f"{early} before the ranks started: nothing to save")
         return preempted_code

@@ -102,6 +102,15 @@ def test_the_fork_server_prepares_once_and_the_spawner_adopts_its_ranks(capfd, f
     assert len({r[3] for r in ranks}) == 3
 
 
+@pytest.mark.parametrize("started", ["forked", "new interpreter"])
+def test_rank_0_inherits_the_rendezvous_socket_already_listening_so_no_other_process_takes_the_port(
+        started, fork_entries):
+    # a port only chosen, then bound by rank 0 later, was taken in between by a parallel job
+    how = {"fork": fork_entries("holds_the_rendezvous")} if started == "forked" else {
+        "command": (sys.executable, "-c", "import sys, fork_entries; sys.exit(fork_entries.holds_the_rendezvous([]))")}
+    assert spawn_local([], 3, role, **how) == 0
+
+
 def test_a_fork_server_that_cannot_import_starts_no_rank_and_says_why(capfd, fork_entries):
     assert spawn_local([], 3, role, fork=fork_entries("report", prepare="broken_prepare")) == 1
     captured = capfd.readouterr()
