@@ -72,15 +72,16 @@ class Policy:
         family_of(tr).prepare_dit(tr)
         if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
             return
+        options = levers.fsdp_options(self.cfg, self.device)  # perf.fsdp_cpu_offload
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
         # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
         if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
             for module in tr.modules():
                 if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
-                    fully_shard(module, mesh=mesh)
+                    fully_shard(module, mesh=mesh, **options)
         for block in family_of(tr).fsdp_blocks(tr):
-            fully_shard(block, mesh=mesh)
-        fully_shard(tr, mesh=mesh)
+            fully_shard(block, mesh=mesh, **options)
+        fully_shard(tr, mesh=mesh, **options)
 
     # -- old policy ----------------------------------------------------------------------
     def old_weights(self, fp8_gemms: str | None = None):

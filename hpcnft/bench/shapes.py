@@ -286,12 +286,11 @@ def world1_mesh(dev):
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        from hpcnft.distributed.spawner import free_port
-
         if not dist.is_initialized():
-            backend = "nccl" if dev.type == "cuda" else "gloo"
-            kwargs = {"device_id": dev} if backend == "nccl" else {}
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    **kwargs)
+            # gloo beside NCCL for CPU tensors: a stack under perf.fsdp_cpu_offload reduces them
+            backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
+            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port of the kernel's choice
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
         _MESH.append(DeviceMesh(dev.type, torch.tensor([0])))
     return _MESH[0]

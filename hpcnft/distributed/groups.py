@@ -115,6 +115,14 @@ def resolve_backend(cfg, device: torch.device) -> str:
     return backend
 
 
+def group_backends(backend: str, cfg) -> str:
+    """The process groups' backend string: under perf.fsdp_cpu_offload an NCCL job also gets gloo,
+    for collectives on CPU tensors (gradient clipping reduces the norms of CPU-resident shards)."""
+    if backend == "nccl" and cfg.perf.fsdp_cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
 def emulate_host(rank: int, env=os.environ) -> None:
     """Make this rank look like a host of its own to NCCL, which otherwise refuses two ranks of
     one communicator on one GPU ("Duplicate GPU detected"); NCCL then joins them over sockets.
@@ -137,7 +145,8 @@ def setup(cfg, info: LaunchInfo):
     netif.bind_collectives(os.environ)  # before the group: gloo and NCCL read it when they start
     try:
         meet = {"store": local_store(info, timeout)} if info.launcher == "local" else {"init_method": info.init_method}
-        dist.init_process_group(backend, rank=info.rank, world_size=info.world_size, timeout=timeout, **meet, **kwargs)
+        dist.init_process_group(group_backends(backend, cfg), rank=info.rank, world_size=info.world_size,
+                                timeout=timeout, **meet, **kwargs)
     except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
         raise rendezvous_error(e, info, netif.route_to(info.master_addr)) from e
     topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,

@@ -130,6 +130,13 @@ class PerfConfig:
     vae_decode_batch: int = setting(
         0, "the rollout's VAE decode in slices of this many images (0: a rollout batch at once) (memory lever: "
         "the decoder's activations grow with the batch). Numerics: conv batch size changes rounding", bound=">= 0")
+    fsdp_cpu_offload: bool = setting(
+        False, "FSDP2's CPUOffloadPolicy: the DiT's sharded parameters (frozen and trained), their gradients and the "
+        "AdamW state live in CPU memory (pinned on GPUs), each block's weights copied to the GPU for its forward and "
+        "backward, and the optimizer steps on the CPU; keeps FSDP2 on a one-rank mesh (over "
+        "`skip_single_rank_fsdp`); over NCCL the process group gets a gloo backend for the CPU tensors (memory lever: "
+        "what a full fine-tune's weights, gradients and AdamW state hold on the GPU). Numerics: the same fp32 "
+        "AdamW formulas, on the CPU", )
     memory_budget_gib: float = setting(
         0.0, "GiB of GPU memory each train rank may use (0: no budget). Checked before any model loads against "
         "what `hpcnft bench --memory-cap-gib` measured (hpcnft.perf.memory): settings measured to need more, or "

@@ -8,7 +8,7 @@ hpcnft/perf/config.py (docs/configuration.md's table is made from it), with `FAS
 combination `hpcnft bench` measures.
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
-(skip_single_rank_fsdp, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
+(skip_single_rank_fsdp, fsdp_cpu_offload, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
 pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8,
 v_old_fp8, gelu_epilogue)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
@@ -66,8 +66,20 @@ def with_attention(cfg, ctx):
 
 # -- FSDP on one rank --------------------------------------------------------------------
 def use_fsdp(cfg, mesh) -> bool:
-    """False when perf.skip_single_rank_fsdp and the train mesh has one rank."""
+    """False when perf.skip_single_rank_fsdp and the train mesh has one rank (but under
+    perf.fsdp_cpu_offload, which FSDP2 does)."""
+    if cfg.perf.fsdp_cpu_offload:
+        return True
     return not (cfg.perf.skip_single_rank_fsdp and mesh is not None and mesh.size() == 1)
+
+
+def fsdp_options(cfg, device: torch.device) -> dict:
+    """fully_shard's keyword arguments for the levers in force: perf.fsdp_cpu_offload's policy."""
+    if not cfg.perf.fsdp_cpu_offload:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
 
 
 def _nested_fsdp(block) -> bool:

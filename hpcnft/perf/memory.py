@@ -9,8 +9,8 @@ model run from the fastest to the smallest. The bench's iteration is one GPU doi
 FSDP2 shards the DiT over the train ranks), so a rung's peak bounds it from above.
 
 Memory grows with every setting in one direction (bigger batches and slices, no checkpointing,
-encoders resident, a full fine-tune), so settings that are at least a rung's in every one need
-at least that rung's measured peak: that is what refuses a config. Settings that match no rung
+encoders resident, FSDP2's shards on the GPU, a full fine-tune), so settings that are at least a
+rung's in every one need at least that rung's measured peak: that is what refuses a config. Settings that match no rung
 and exceed none over the budget are not known to fit: a note says so and names the rung that does.
 Pure functions; the measurements (memory_rungs.json) are the bench JSONs' under docs/bench/, test-checked.
 """
@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field
 
 MEMORY_KEYS = ("rollout.batch_size", "train.micro_batch", "perf.old_pass_batch", "perf.vae_decode_batch",
-               "train.grad_checkpointing", "perf.text_encoders", "train.finetune", "rollout.height",
-               "rollout.width", "rollout.max_sequence_length")
+               "train.grad_checkpointing", "perf.text_encoders", "perf.fsdp_cpu_offload", "train.finetune",
+               "rollout.height", "rollout.width", "rollout.max_sequence_length")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Rung:
 
 
 _SHAPE = {"rollout.height": 512, "rollout.width": 512, "rollout.max_sequence_length": 256, "train.finetune": "lora"}
-_FAST = {"perf.text_encoders": "device", "perf.vae_decode_batch": 0, "train.grad_checkpointing": False}
+_FAST = {"perf.text_encoders": "device", "perf.vae_decode_batch": 0, "train.grad_checkpointing": False,
+         "perf.fsdp_cpu_offload": False}
 
 # SD3.5-Medium + PickScore (the sd35m_pickscore recipe: 64 samples x 10 steps, 512², LoRA r32), with
 # hpcnft.perf.levers.FAST's speed levers; fastest first. Measured values: see MEASURED below.
@@ -104,6 +105,7 @@ def needs_at_least(settings: dict, rung: Rung) -> bool:
     return (all(a[k] >= b[k] for k in numeric)
             and (not a["train.grad_checkpointing"] or b["train.grad_checkpointing"])
             and (a["perf.text_encoders"] == "device" or b["perf.text_encoders"] == "offload")
+            and (not a["perf.fsdp_cpu_offload"] or b["perf.fsdp_cpu_offload"])
             and (a["train.finetune"] == "full" or b["train.finetune"] == "lora"))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpcnft.algo.root_config import ConfigError, load_config
-from hpcnft.distributed.groups import Topology, emulate_host, resolve_backend
+from hpcnft.distributed.groups import Topology, emulate_host, group_backends, resolve_backend
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
 
@@ -113,6 +113,13 @@ def test_emulated_hosts_on_a_cpu_device_are_refused_when_the_backend_is_chosen()
     with pytest.raises(ConfigError, match="layout.emulate_hosts.*gloo on cpu"):
         resolve_backend(cfg, torch.device("cpu"))
     assert resolve_backend(cfg, torch.device("cuda", 0)) == "nccl"
+
+
+def test_cpu_offloaded_shards_give_an_nccl_job_gloo_for_its_cpu_tensors():
+    offload = load_config("tiny", ["perf.fsdp_cpu_offload=true"])
+    assert group_backends("nccl", offload) == "cuda:nccl,cpu:gloo"
+    assert group_backends("gloo", offload) == "gloo"
+    assert group_backends("nccl", load_config("tiny")) == "nccl"
 
 
 def without_launcher() -> dict:

@@ -69,7 +69,7 @@ def test_a_model_without_measurements_is_not_checked():
 @pytest.mark.parametrize("change,more", [
     ({"rollout.batch_size": 32}, True), ({"train.micro_batch": 4}, False), ({"train.grad_checkpointing": True}, False),
     ({"perf.text_encoders": "device"}, True), ({"perf.vae_decode_batch": 0}, True), ({"perf.old_pass_batch": 4}, False),
-    ({"train.finetune": "full"}, True), ({"rollout.height": 256}, False)])
+    ({"train.finetune": "full"}, True), ({"rollout.height": 256}, False), ({"perf.fsdp_cpu_offload": True}, False)])
 def test_settings_need_at_least_a_rung_when_they_are_at_least_its_in_every_respect(change, more):
     rung = next(r for r in LADDER if r.card_gib == 24)
     assert memory.needs_at_least(rung.settings, rung)
@@ -87,7 +87,12 @@ def test_the_committed_measurements_are_the_bench_jsons():
             with open(os.path.join(os.path.dirname(root), got["source"])) as f:
                 doc = json.load(f)
             entry = next(e for e in doc["memory_caps"] if e["recipe"] == rungs[card].recipe and e["fits"])
-            assert entry["settings"] == rungs[card].settings
+            recorded, settings = entry["settings"], rungs[card].settings
+            assert {k: v for k, v in settings.items() if k in recorded} == recorded
+            # keys newer than the measurement: the rung keeps them at their defaults, as it ran
+            defaults = memory.settings_of(load_config("tiny"))
+            assert {k: v for k, v in settings.items() if k not in recorded} == \
+                {k: defaults[k] for k in settings if k not in recorded}
             assert got["peak_gib"] == round(entry["peak_gib"], 1)
             assert got["iteration_s"] == round(entry["iteration_s"], 1)
 
@@ -136,6 +141,38 @@ def test_an_iteration_and_an_evaluation_each_encode_their_new_prompts_in_one_pas
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         _MESH.clear()
+
+
+def test_fsdp_cpu_offload_shards_under_the_offload_policy_on_one_rank_and_trains_the_same_bits(hpcnft_cache):
+    """A full fine-tune's iteration under perf.fsdp_cpu_offload: FSDP2 wraps the DiT even where
+    skip_single_rank_fsdp would not, every group under CPUOffloadPolicy, and the trained weights
+    are those of FSDP2 without it (on the CPU the policy's copies move nothing: the math is what
+    is compared; tests/gpu checks where the state lives on a GPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from hpcnft.bench.shapes import _MESH, tiny_shapes
+    from hpcnft.bench.stack import HpcnftStack
+    from hpcnft.common.tensors import local_shard
+
+    trained = {}
+    try:
+        for offload in (False, True):
+            stack = HpcnftStack("t", "t", tiny_shapes(), torch.device("cpu"),
+                                {"train.finetune": "full", "rollout.batch_size": 4, "perf.fsdp_cpu_offload": offload,
+                                 "perf.skip_single_rank_fsdp": offload})
+            stack.iteration()[0]()
+            states = [m._get_fsdp_state()._fsdp_param_group for m in stack.policy.transformer.modules()
+                      if isinstance(m, FSDPModule)]
+            assert [g for g in states if g is not None]
+            assert all(isinstance(g.offload_policy, CPUOffloadPolicy) is offload for g in states if g is not None)
+            trained[offload] = [local_shard(p).detach().clone() for p in stack.policy.trainable]
+            stack.close()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        _MESH.clear()
+    assert len(trained[True]) == len(trained[False]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(trained[True], trained[False]))
 
 
 def test_the_vae_decodes_in_slices_of_the_batch_it_is_given(tiny_models):
