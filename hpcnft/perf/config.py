@@ -76,7 +76,9 @@ class PerfConfig:
         choices=PREPROCESS)
     skip_single_rank_fsdp: bool = setting(
         False, "on a one-rank train mesh, keep the plain module (no FSDP2 wrapping: no per-block and "
-        "per-LoRA-linear all-gathers). Numerics: identical")
+        "per-LoRA-linear all-gathers). Numerics: identical for LoRA; in a full fine-tune the gradients of the "
+        "embedders, which every block uses, differ in the last bits (their blocks' contributions are summed in "
+        "another order)")
     merge_lora_nograd: bool = setting(
         False, "the old-policy (no-grad) passes, rollout and v_old, run on W + s·B·A merged into the "
         "half-precision base weights, adapters off; the base weights are restored bit for bit afterwards. "
