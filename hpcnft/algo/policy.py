@@ -39,6 +39,7 @@ class Policy:
         self.cfg, self.device = cfg, device
         self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
         self.transformer = transformer
+        self.base_storage = ""  # perf.base_fp8_storage: what the stored base holds, for the user
         self._prepare(mesh)
         levers.prepare_policy(self)  # perf levers applied at construction (regional compile)
         self.trainable = [p for p in self.transformer.parameters() if p.requires_grad]
@@ -66,6 +67,8 @@ class Policy:
             # round-trip copy (forward and backward) per LoRA linear.
             for layer in levers.lora_layers(tr):
                 layer.cast_input_dtype_enabled = False
+        # before the move: only fp8 reaches the GPU
+        self.base_storage = levers.store_base_weights(self.cfg, family_of(tr).fsdp_blocks(tr))
         if cfg.grad_checkpointing:
             tr.enable_gradient_checkpointing()
         tr.to(self.device)

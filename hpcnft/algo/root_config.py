@@ -34,7 +34,7 @@ from hpcnft.common.errors import ConfigError
 from hpcnft.distributed.config import LayoutConfig, PreemptConfig
 from hpcnft.io.config import CheckpointConfig, DataConfig, LoggingConfig
 from hpcnft.models.config import FLUX_MAX_SEQUENCE_LENGTH, ModelsConfig
-from hpcnft.perf.config import SD3_ONLY_LEVERS, PerfConfig
+from hpcnft.perf.config import BASE_WEIGHT_LEVERS, SD3_ONLY_LEVERS, PerfConfig
 from hpcnft.rewards.config import RewardConfig
 
 __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
@@ -110,10 +110,23 @@ class Config:
         if family == "flux" and r.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"rollout.max_sequence_length: FLUX's T5 takes at most {FLUX_MAX_SEQUENCE_LENGTH} "
                               f"tokens, got {r.max_sequence_length}")
+        if self.perf.base_fp8_storage:
+            self.check_fp8_storage()
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
 
+
+    def check_fp8_storage(self) -> None:
+        """perf.base_fp8_storage stores a frozen base: refused for a full fine-tune and beside the
+        levers that read or rewrite the base weights in half precision."""
+        if self.train.finetune != "lora":
+            raise ConfigError("perf.base_fp8_storage: stores the frozen base of a LoRA run; train.finetune is "
+                              f"{self.train.finetune!r}")
+        for lever in BASE_WEIGHT_LEVERS:
+            if getattr(self.perf, lever):
+                raise ConfigError(f"perf.base_fp8_storage: not with perf.{lever}, which reads the base weights in "
+                                  "half precision; set one of them to false")
 
     def check_algorithm(self) -> None:
         """The other algorithm's keys are refused (set away from their defaults), and so are the

@@ -28,6 +28,8 @@ PREPROCESS = ("cpu", "device")
 TEXT_ENCODER_PLACES = ("device", "offload")
 # Levers written for SD3's joint attention and blocks (perf.fused_qkv, perf.epilogue, perf.fp8)
 SD3_ONLY_LEVERS = ("fuse_qkv", "fused_lora", "gelu_epilogue", "rollout_fp8", "v_old_fp8")
+# Levers that read or rewrite the base weights in half precision: not beside perf.base_fp8_storage
+BASE_WEIGHT_LEVERS = ("merge_lora_nograd", "fuse_qkv", "fused_lora", "gelu_epilogue", "rollout_fp8", "v_old_fp8")
 
 # The combined set: config overrides (as `--set` would give them).
 FAST = {
@@ -139,6 +141,13 @@ class PerfConfig:
         "`skip_single_rank_fsdp`); over NCCL the process group gets a gloo backend for the CPU tensors (memory lever: "
         "what a full fine-tune's weights, gradients and AdamW state hold on the GPU). Numerics: the same fp32 "
         "AdamW formulas, on the CPU", )
+    base_fp8_storage: bool = setting(
+        False, "a LoRA run's frozen base linears of the DiT's blocks stored in fp8 (e4m3, one fp32 scale per output "
+        "channel: half the bytes of fp16) and widened back to the compute dtype for each product "
+        "(`perf.fp8_storage`); not with the levers that read or rewrite the base weights (merge_lora_nograd, "
+        "fuse_qkv, fused_lora, gelu_epilogue, rollout_fp8, v_old_fp8) (memory lever: the base weights, which "
+        "outweigh the rest for SD3.5-L and FLUX.1). Numerics: the base model itself is rounded once to e4m3 (3 "
+        "mantissa bits); `hpcnft export` writes the full-precision base with the adapters")
     memory_budget_gib: float = setting(
         0.0, "GiB of GPU memory each train rank may use (0: no budget). Checked before any model loads against "
         "what `hpcnft bench --memory-cap-gib` measured (hpcnft.perf.memory): settings measured to need more, or "

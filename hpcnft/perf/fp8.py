@@ -35,7 +35,7 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 # Per-sample linears (AdaLayerNorm modulation) have one row per sample: nothing to gain in fp8.
 # peft's own A/B linears stay as they are (rank r: small GEMMs; with merge_lora_nograd, unused).
-_KEEP = ("norm1.", "norm1_context.", "norm2.", "norm2_context.", "lora_")
+KEEP = ("norm1.", "norm1_context.", "norm2.", "norm2_context.", "lora_")
 WEIGHT, SCALE = "hpcnft_fp8_weight", "hpcnft_fp8_scale"
 
 
@@ -141,7 +141,7 @@ def block_linears(transformer, skip=()) -> list[torch.nn.Linear]:
     but those in `skip`."""
     skip = {id(m) for m in skip}
     return [m for name, m in transformer.transformer_blocks.named_modules()
-            if type(m) is torch.nn.Linear and id(m) not in skip and not any(k in name for k in _KEEP)
+            if type(m) is torch.nn.Linear and id(m) not in skip and not any(k in name for k in KEEP)
             and supported(m.weight)]
 
 

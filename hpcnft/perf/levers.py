@@ -8,7 +8,8 @@ hpcnft/perf/config.py (docs/configuration.md's table is made from it), with `FAS
 combination `hpcnft bench` measures.
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
-(skip_single_rank_fsdp, fsdp_cpu_offload, merge_lora_nograd, old_pass_batch, vae_dtype, vae_channels_last,
+(skip_single_rank_fsdp, fsdp_cpu_offload, base_fp8_storage, merge_lora_nograd, old_pass_batch, vae_dtype,
+vae_channels_last,
 pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8,
 v_old_fp8, gelu_epilogue)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
@@ -80,6 +81,19 @@ def fsdp_options(cfg, device: torch.device) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")}
+
+
+def store_base_weights(cfg, blocks) -> str:
+    """perf.base_fp8_storage: the frozen linears of the DiT's `blocks` stored in fp8 (fp8_storage);
+    returns what the user is told of it ("" when off)."""
+    if not cfg.perf.base_fp8_storage:
+        return ""
+    from hpcnft.perf import fp8_storage
+
+    before, after = fp8_storage.store_in_fp8(blocks)
+    size = (lambda n: f"{n / 2**30:.2f} GiB") if before >= 2**30 else (lambda n: f"{n / 2**20:.2f} MiB")
+    return (f"perf.base_fp8_storage: the blocks' frozen linears hold {size(after)} in fp8 instead of "
+            f"{size(before)}, before FSDP2 shards them")
 
 
 def _nested_fsdp(block) -> bool:

@@ -9,9 +9,10 @@ model run from the fastest to the smallest. The bench's iteration is one GPU doi
 FSDP2 shards the DiT over the train ranks), so a rung's peak bounds it from above.
 
 Memory grows with every setting in one direction (bigger batches and slices, no checkpointing,
-encoders resident, FSDP2's shards on the GPU, a full fine-tune), so settings that are at least a
-rung's in every one need at least that rung's measured peak: that is what refuses a config. Settings that match no rung
-and exceed none over the budget are not known to fit: a note says so and names the rung that does.
+encoders resident, FSDP2's shards on the GPU, a half-precision base, a full fine-tune), so
+settings that are at least a rung's in every one need at least that rung's measured peak: that
+is what refuses a config. Settings that match no rung and exceed none over the budget are not
+known to fit: a note says so and names the rung that does.
 Pure functions; the measurements (memory_rungs.json) are the bench JSONs' under docs/bench/, test-checked.
 """
 from __future__ import annotations
@@ -21,8 +22,8 @@ import os
 from dataclasses import dataclass, field
 
 MEMORY_KEYS = ("rollout.batch_size", "train.micro_batch", "perf.old_pass_batch", "perf.vae_decode_batch",
-               "train.grad_checkpointing", "perf.text_encoders", "perf.fsdp_cpu_offload", "train.finetune",
-               "rollout.height", "rollout.width", "rollout.max_sequence_length")
+               "train.grad_checkpointing", "perf.text_encoders", "perf.fsdp_cpu_offload", "perf.base_fp8_storage",
+               "train.finetune", "rollout.height", "rollout.width", "rollout.max_sequence_length")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Rung:
 
 _SHAPE = {"rollout.height": 512, "rollout.width": 512, "rollout.max_sequence_length": 256, "train.finetune": "lora"}
 _FAST = {"perf.text_encoders": "device", "perf.vae_decode_batch": 0, "train.grad_checkpointing": False,
-         "perf.fsdp_cpu_offload": False}
+         "perf.fsdp_cpu_offload": False, "perf.base_fp8_storage": False}
 
 # SD3.5-Medium + PickScore (the sd35m_pickscore recipe: 64 samples x 10 steps, 512², LoRA r32), with
 # hpcnft.perf.levers.FAST's speed levers; fastest first. Measured values: see MEASURED below.
@@ -106,6 +107,7 @@ def needs_at_least(settings: dict, rung: Rung) -> bool:
             and (not a["train.grad_checkpointing"] or b["train.grad_checkpointing"])
             and (a["perf.text_encoders"] == "device" or b["perf.text_encoders"] == "offload")
             and (not a["perf.fsdp_cpu_offload"] or b["perf.fsdp_cpu_offload"])
+            and (not a["perf.base_fp8_storage"] or b["perf.base_fp8_storage"])
             and (a["train.finetune"] == "full" or b["train.finetune"] == "lora"))
 
 

@@ -64,6 +64,8 @@ class TrainJob:
         self.tr = tr = build_train_rank(cfg, topo, group, mesh)
         collector.settle()
         self.say(f"models loaded in {time.perf_counter() - t0:.1f} s")
+        if tr.policy.base_storage:
+            self.say(tr.policy.base_storage)
         self.checkpointer = Checkpointer(cfg.run_dir, group, topo.rank, topo.world_size, cfg.to_json(),
                                          cfg.checkpoint.keep, policy=tr.policy, optimizer=tr.trainer.optimizer,
                                          scaler=tr.trainer.scaler, peers=tr.client.snapshot)

@@ -2,7 +2,8 @@
 encoders offloaded and the VAE in slices, and SD3.5-M's real-shape train step at the 24 GB
 rung's settings, each run and recorded as fitting; a tiny 2+1 job with offloaded encoders ends
 bit-identical to one without; under perf.fsdp_cpu_offload a full fine-tune's state lives in
-pinned CPU memory and its 2+1 job over NCCL resumes bit for bit."""
+pinned CPU memory and its 2+1 job over NCCL resumes bit for bit; so does a job whose base is
+stored in fp8 (perf.base_fp8_storage), its e4m3 shards all-gathered by NCCL."""
 from __future__ import annotations
 
 import json
@@ -98,4 +99,14 @@ def test_an_offloaded_full_fine_tune_over_nccl_resumes_bit_for_bit(tmp_path, hpc
     hpcnft("run", "tiny", "--steps", "2", "--run-dir", whole, *NCCL, *FULL_OFFLOAD, timeout=600)
     hpcnft("run", "tiny", "--steps", "1", "--run-dir", resumed, *NCCL, *FULL_OFFLOAD, timeout=600)
     hpcnft("run", "tiny", "--steps", "2", "--run-dir", resumed, *NCCL, *FULL_OFFLOAD, timeout=600)
+    assert_same_metrics(whole, resumed)
+
+
+def test_an_fp8_base_job_over_nccl_all_gathers_its_e4m3_shards_and_resumes_bit_for_bit(tmp_path, hpcnft_cache):
+    fp8_base = ["--set", "perf.base_fp8_storage=true", "--set", 'train.precision="fp16"']
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    done = hpcnft("run", "tiny", "--steps", "2", "--run-dir", whole, *NCCL, *fp8_base, timeout=600)
+    assert "perf.base_fp8_storage: the blocks' frozen linears hold" in done.stdout
+    hpcnft("run", "tiny", "--steps", "1", "--run-dir", resumed, *NCCL, *fp8_base, timeout=600)
+    hpcnft("run", "tiny", "--steps", "2", "--run-dir", resumed, *NCCL, *fp8_base, timeout=600)
     assert_same_metrics(whole, resumed)

@@ -69,7 +69,8 @@ def test_a_model_without_measurements_is_not_checked():
 @pytest.mark.parametrize("change,more", [
     ({"rollout.batch_size": 32}, True), ({"train.micro_batch": 4}, False), ({"train.grad_checkpointing": True}, False),
     ({"perf.text_encoders": "device"}, True), ({"perf.vae_decode_batch": 0}, True), ({"perf.old_pass_batch": 4}, False),
-    ({"train.finetune": "full"}, True), ({"rollout.height": 256}, False), ({"perf.fsdp_cpu_offload": True}, False)])
+    ({"train.finetune": "full"}, True), ({"rollout.height": 256}, False), ({"perf.fsdp_cpu_offload": True}, False),
+    ({"perf.base_fp8_storage": True}, False)])
 def test_settings_need_at_least_a_rung_when_they_are_at_least_its_in_every_respect(change, more):
     rung = next(r for r in LADDER if r.card_gib == 24)
     assert memory.needs_at_least(rung.settings, rung)
