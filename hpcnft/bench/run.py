@@ -262,6 +262,10 @@ class Bench:
             rec["rollout_fp8_cost"] = fast.rollout_fp8_cost(fast_b)
             self.log(f"rollout_fp8 vs {fast.cfg.train.precision} rollout: {rec['rollout_fp8_cost']}")
             self.save()
+        if fast.cfg.perf.base_fp8_storage and sampled and not self.over_budget():
+            rec["base_fp8_storage_cost"] = fast.base_fp8_storage_cost(fast_b)
+            self.log(f"base_fp8_storage vs a {fast.cfg.train.precision} base: {rec['base_fp8_storage_cost']}")
+            self.save()
         if fast.cfg.perf.v_old_fp8 and trained and not self.over_budget():
             rec["v_old_fp8_cost"] = fast.v_old_fp8_cost(fast_mb)
             self.log(f"v_old_fp8 vs {fast.cfg.train.precision} v_old: {rec['v_old_fp8_cost']}")

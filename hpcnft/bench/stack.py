@@ -240,6 +240,31 @@ class HpcnftStack:
                 "pickscore_max_abs": float(diff.max()), "pickscore_mean_abs": float(diff.mean()),
                 "pickscore_mean_shift": float((s8 - s16).mean()), "pickscore_std": float(s16.std())}
 
+    def base_fp8_storage_cost(self, n: int) -> dict:
+        """What perf.base_fp8_storage costs: n samples (one batch, the same noise and conditioning)
+        sampled by the policy over its fp8-stored base (adapters at their start: the base) and by
+        the same DiT built again in the compute dtype. The velocity of one forward and the final
+        latents, compared."""
+        torch = _torch()
+        from hpcnft.algo.sampler import Conditioning, euler_sample, velocity
+
+        policy, cfg = self.policy, self.cfg
+        plain = build_dit(self.S, self.dev).to(policy.compute_dtype).requires_grad_(False)
+        noise = self._latent(n, seed=11).to(self.dev)
+        pe, pooled = (t.to(self.dev) for t in self._cond(n, seed=12))
+        out = {}
+        for name, dit, ctx in (("fp8", policy.transformer, policy.old_weights), ("plain", plain, None)):
+            with (ctx() if ctx else contextlib.nullcontext()), torch.no_grad(), policy.autocast():
+                v = velocity(dit, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled, policy.compute_dtype,
+                             guidance=cfg.rollout.guidance_scale).float()
+                x0 = euler_sample(dit, noise, self.sigmas, Conditioning(pe, pooled), cfg.rollout.guidance_scale,
+                                  policy.compute_dtype, policy.autocast)
+            out[name] = (v, x0.float())
+        del plain
+        (v8, x8), (v16, x16) = out["fp8"], out["plain"]
+        rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+        return {"n": n, "velocity_rel_error": rel(v8, v16), "latent_rel_error": rel(x8, x16)}
+
     def _pair_batch(self, mb: int):
         """A PairBatch of `mb` rollout samples (seeded), on the device as Learner.rollout leaves
         them for Trainer.step."""
