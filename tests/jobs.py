@@ -134,6 +134,17 @@ def assert_same_metrics(run_a: str, run_b: str) -> None:
             assert np.array_equal(x, y, equal_nan=True), key
 
 
+def assert_resumed_after_step_one_is_uninterrupted(base: Path, *args: str) -> subprocess.CompletedProcess:
+    """`hpcnft run tiny ARGS` for 2 steps, and for 1 step then resumed to 2 in another run dir:
+    the same bits. Returns the uninterrupted run's process (its output)."""
+    whole, resumed = str(base / "whole"), str(base / "resumed")
+    done = hpcnft("run", "tiny", "--steps", "2", "--run-dir", whole, *args)
+    hpcnft("run", "tiny", "--steps", "1", "--run-dir", resumed, *args)
+    hpcnft("run", "tiny", "--steps", "2", "--run-dir", resumed, *args)
+    assert_same_metrics(whole, resumed)
+    return done
+
+
 # Train metrics of different train-rank counts differ only by the order in which gradients and
 # metric sums are reduced; over one step that is far below this tolerance (docs/determinism.md).
 TRAIN_RTOL = 1e-5

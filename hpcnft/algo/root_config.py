@@ -116,7 +116,6 @@ class Config:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
 
-
     def check_fp8_storage(self) -> None:
         """perf.base_fp8_storage stores a frozen base: refused for a full fine-tune and beside the
         levers that read or rewrite the base weights in half precision."""

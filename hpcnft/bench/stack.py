@@ -66,6 +66,11 @@ def bench_config(S: Shapes, dev, overrides: dict):
         raise UsageError(str(e)) from None
 
 
+def relative_error(a, b) -> float:
+    """|a - b| / |b| in the 2-norm: what a lever's rounding costs against the reference b."""
+    return float((a - b).norm() / b.norm())
+
+
 class HpcnftStack:
     """The package's code path: Policy + Trainer + Learner, sampler and reward functions."""
 
@@ -215,27 +220,19 @@ class HpcnftStack:
         """What perf.rollout_fp8 costs: n samples (one batch, the same noise and conditioning)
         sampled with the blocks' GEMMs in fp8 and in the compute dtype. The velocity of one
         forward, the final latents, and PickScore of the decoded images, compared."""
-        torch = _torch()
-        from hpcnft.algo.sampler import Conditioning, decode_to_uint8, euler_sample, velocity
+        from hpcnft.algo.sampler import decode_to_uint8
 
-        policy, cfg = self.policy, self.cfg
-        noise = self._latent(n, seed=11).to(self.dev)
-        pe, pooled = (t.to(self.dev) for t in self._cond(n, seed=12))
+        policy = self.policy
         prompts = prompt_list(n)
         out = {}
         for fp8 in (True, False):
             with policy.old_weights("perf.rollout_fp8" if fp8 else None):  # rollout_weights, both ways
-                with torch.no_grad(), policy.autocast():
-                    v = velocity(policy.transformer, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled,
-                                 policy.compute_dtype, guidance=cfg.rollout.guidance_scale).float()
-                x0 = euler_sample(policy.transformer, noise, self.sigmas, Conditioning(pe, pooled),
-                                  cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast)
-            images = decode_to_uint8(self.vae, x0, cfg.rollout.uint8_rounding)
+                v, x0 = self._velocity_and_latents(policy.transformer, n)
+            images = decode_to_uint8(self.vae, x0, self.cfg.rollout.uint8_rounding)
             out[fp8] = (v, x0.float(), self.scorer(prompts, images).double(), images)
         (v8, x8, s8, i8), (v16, x16, s16, i16) = out[True], out[False]
-        rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
         diff = (s8 - s16).abs()
-        return {"n": n, "velocity_rel_error": rel(v8, v16), "latent_rel_error": rel(x8, x16),
+        return {"n": n, "velocity_rel_error": relative_error(v8, v16), "latent_rel_error": relative_error(x8, x16),
                 "pixels_mean_abs": float((i8.float() - i16.float()).abs().mean()),
                 "pickscore_max_abs": float(diff.max()), "pickscore_mean_abs": float(diff.mean()),
                 "pickscore_mean_shift": float((s8 - s16).mean()), "pickscore_std": float(s16.std())}
@@ -245,25 +242,30 @@ class HpcnftStack:
         sampled by the policy over its fp8-stored base (adapters at their start: the base) and by
         the same DiT built again in the compute dtype. The velocity of one forward and the final
         latents, compared."""
+        policy = self.policy
+        with policy.old_weights():
+            v8, x8 = self._velocity_and_latents(policy.transformer, n)
+        plain = build_dit(self.S, self.dev).to(policy.compute_dtype).requires_grad_(False)
+        v16, x16 = self._velocity_and_latents(plain, n)
+        del plain
+        return {"n": n, "velocity_rel_error": relative_error(v8, v16),
+                "latent_rel_error": relative_error(x8.float(), x16.float())}
+
+    def _velocity_and_latents(self, dit, n: int):
+        """`dit` on n seeded samples (noise and conditioning the same each call): one forward's
+        velocity (fp32) at the grid's fourth sigma, and the latents the whole rollout ends with."""
         torch = _torch()
         from hpcnft.algo.sampler import Conditioning, euler_sample, velocity
 
         policy, cfg = self.policy, self.cfg
-        plain = build_dit(self.S, self.dev).to(policy.compute_dtype).requires_grad_(False)
         noise = self._latent(n, seed=11).to(self.dev)
         pe, pooled = (t.to(self.dev) for t in self._cond(n, seed=12))
-        out = {}
-        for name, dit, ctx in (("fp8", policy.transformer, policy.old_weights), ("plain", plain, None)):
-            with (ctx() if ctx else contextlib.nullcontext()), torch.no_grad(), policy.autocast():
-                v = velocity(dit, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled, policy.compute_dtype,
-                             guidance=cfg.rollout.guidance_scale).float()
-                x0 = euler_sample(dit, noise, self.sigmas, Conditioning(pe, pooled), cfg.rollout.guidance_scale,
-                                  policy.compute_dtype, policy.autocast)
-            out[name] = (v, x0.float())
-        del plain
-        (v8, x8), (v16, x16) = out["fp8"], out["plain"]
-        rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-        return {"n": n, "velocity_rel_error": rel(v8, v16), "latent_rel_error": rel(x8, x16)}
+        with torch.no_grad(), policy.autocast():
+            v = velocity(dit, noise, self.sigmas[3].expand(n).to(self.dev), pe, pooled, policy.compute_dtype,
+                         guidance=cfg.rollout.guidance_scale).float()
+        x0 = euler_sample(dit, noise, self.sigmas, Conditioning(pe, pooled), cfg.rollout.guidance_scale,
+                          policy.compute_dtype, policy.autocast)
+        return v, x0
 
     def _pair_batch(self, mb: int):
         """A PairBatch of `mb` rollout samples (seeded), on the device as Learner.rollout leaves
@@ -320,16 +322,16 @@ class HpcnftStack:
                 p.grad = None
         (v8, loss8, g8), (v16, loss16, g16) = out["fp8"], out["compute"]
         residual = v16 - (eps.to(v16.device) - m.x0.float())
-        cost = {"n": mb, "v_old_rel_error": float((v8 - v16).norm() / v16.norm()),
+        cost = {"n": mb, "v_old_rel_error": relative_error(v8, v16),
                 "v_old_error_vs_residual": float((v8 - v16).norm() / residual.norm()),
                 "loss_rel_error": abs(loss8 - loss16) / abs(loss16),
                 "grad_cosine": float(torch.nn.functional.cosine_similarity(g8, g16, dim=0)),
                 "grad_norm_ratio": float(g8.norm() / g16.norm()),
-                "grad_rel_error": float((g8 - g16).norm() / g16.norm())}
+                "grad_rel_error": relative_error(g8, g16)}
         if half:
             v32, _, g32 = out["fp32"]
-            cost["vs_fp32"] = {name: {"v_old_rel_error": float((v - v32).norm() / v32.norm()),
-                                      "grad_rel_error": float((g - g32).norm() / g32.norm()),
+            cost["vs_fp32"] = {name: {"v_old_rel_error": relative_error(v, v32),
+                                      "grad_rel_error": relative_error(g, g32),
                                       "grad_cosine": float(torch.nn.functional.cosine_similarity(g, g32, dim=0))}
                                for name, (v, _, g) in (("fp8", out["fp8"]), (cfg.train.precision, out["compute"]))}
         return cost

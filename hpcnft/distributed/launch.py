@@ -1,10 +1,10 @@
 """Who am I: what a rank learns from its launcher's environment (pure: no torch), the names each
 launcher's variables have, and Slurm host lists and ports.
 
-`hpcnft.distributed.detect.detect(os.environ)` answers rank, world size, local rank, master address/port,
-Slurm job id and restart count for every way hpcnft is started on a cluster. The variables each launcher sets are
-a table here (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small reader per launcher in
-distributed.detect applies its rules.
+`hpcnft.distributed.detect.detect(os.environ)` answers rank, world size, local rank, master
+address/port, Slurm job id and restart count for every way hpcnft is started on a cluster. The
+variables each launcher sets are a table here (LAUNCHER_ENV, SLURM_ENV), as in submitit; a small
+reader per launcher in distributed.detect applies its rules.
 Detection order, first match wins (each row is a unit test):
 
 1. ``RANK``/``WORLD_SIZE``           torchrun, submitit's TorchDistributedEnvironment.export()

@@ -27,6 +27,8 @@ PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
 
 def free_port() -> int:
+    """A port free now, for a process started later (the tests' ranks); a job's own rendezvous
+    takes listening_socket instead."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
@@ -183,7 +185,9 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         print(f"hpcnft: {text}", file=sys.stderr, flush=True)
 
     with listening_socket() as rendezvous:  # rank 0 keeps its copy; the spawner's closes once they started
-        rank0_fds = {MASTER_LISTEN_FD_ENV: rendezvous.fileno(), **dict([rank0_fd] if rank0_fd else [])}
+        rank0_fds = {MASTER_LISTEN_FD_ENV: rendezvous.fileno()}
+        if rank0_fd:
+            rank0_fds[rank0_fd[0]] = rank0_fd[1]
         envs, fds = [], []
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

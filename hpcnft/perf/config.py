@@ -140,7 +140,7 @@ class PerfConfig:
         "backward, and the optimizer steps on the CPU; keeps FSDP2 on a one-rank mesh (over "
         "`skip_single_rank_fsdp`); over NCCL the process group gets a gloo backend for the CPU tensors (memory lever: "
         "what a full fine-tune's weights, gradients and AdamW state hold on the GPU). Numerics: the same fp32 "
-        "AdamW formulas, on the CPU", )
+        "AdamW formulas, on the CPU")
     base_fp8_storage: bool = setting(
         False, "a LoRA run's frozen base linears of the DiT's blocks stored in fp8 (e4m3, one fp32 scale per output "
         "channel: half the bytes of fp16) and widened back to the compute dtype for each product "

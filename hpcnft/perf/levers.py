@@ -8,10 +8,9 @@ hpcnft/perf/config.py (docs/configuration.md's table is made from it), with `FAS
 combination `hpcnft bench` measures.
 
 Deterministic mode (`determinism.enabled`) keeps the levers that are deterministic run to run
-(skip_single_rank_fsdp, fsdp_cpu_offload, base_fp8_storage, merge_lora_nograd, old_pass_batch, vae_dtype,
-vae_channels_last,
-pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora, overlap_reward, rollout_fp8,
-v_old_fp8, gelu_epilogue)
+(skip_single_rank_fsdp, fsdp_cpu_offload, base_fp8_storage, merge_lora_nograd, old_pass_batch,
+vae_dtype, vae_channels_last, pickscore_dtype, pickscore_preprocess, fuse_qkv, fused_lora,
+overlap_reward, rollout_fp8, v_old_fp8, gelu_epilogue)
 and turns off `compile_blocks` and `compile_vae` (Inductor autotunes reduction configs by timing,
 so the kernel, and with it the summation order, may differ between runs), `cudnn_benchmark`
 (the same, for convolutions) and `attention_backend` (PyTorch then selects the SDPA kernel under

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from jobs import assert_same_metrics, hpcnft
+from jobs import assert_resumed_after_step_one_is_uninterrupted, assert_same_metrics, hpcnft
 
 NCCL = ["--set", "layout.device=cuda", "--set", "layout.backend=nccl", "--set", "layout.emulate_hosts=true",
         "--set", "layout.timeout_s=60"]
@@ -95,18 +95,10 @@ def test_fsdp_cpu_offload_keeps_a_full_fine_tunes_weights_gradients_and_adamw_st
 
 
 def test_an_offloaded_full_fine_tune_over_nccl_resumes_bit_for_bit(tmp_path, hpcnft_cache):
-    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-    hpcnft("run", "tiny", "--steps", "2", "--run-dir", whole, *NCCL, *FULL_OFFLOAD, timeout=600)
-    hpcnft("run", "tiny", "--steps", "1", "--run-dir", resumed, *NCCL, *FULL_OFFLOAD, timeout=600)
-    hpcnft("run", "tiny", "--steps", "2", "--run-dir", resumed, *NCCL, *FULL_OFFLOAD, timeout=600)
-    assert_same_metrics(whole, resumed)
+    assert_resumed_after_step_one_is_uninterrupted(tmp_path, *NCCL, *FULL_OFFLOAD)
 
 
 def test_an_fp8_base_job_over_nccl_all_gathers_its_e4m3_shards_and_resumes_bit_for_bit(tmp_path, hpcnft_cache):
     fp8_base = ["--set", "perf.base_fp8_storage=true", "--set", 'train.precision="fp16"']
-    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-    done = hpcnft("run", "tiny", "--steps", "2", "--run-dir", whole, *NCCL, *fp8_base, timeout=600)
+    done = assert_resumed_after_step_one_is_uninterrupted(tmp_path, *NCCL, *fp8_base)
     assert "perf.base_fp8_storage: the blocks' frozen linears hold" in done.stdout
-    hpcnft("run", "tiny", "--steps", "1", "--run-dir", resumed, *NCCL, *fp8_base, timeout=600)
-    hpcnft("run", "tiny", "--steps", "2", "--run-dir", resumed, *NCCL, *fp8_base, timeout=600)
-    assert_same_metrics(whole, resumed)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.prompts import PromptStream
 from hpcnft.algo.sampler import grid_cells, grid_sample_ids, prompt_grid, truncated_prompts
+from hpcnft.distributed.spawner import free_port
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +62,6 @@ def test_grid_has_a_column_per_prompt_with_its_images_in_order():
     assert (grid[:head] < 255).any()  # a caption is drawn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _grid_rank(rank: int, port: int, n: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -92,7 +86,7 @@ def _grid_rank(rank: int, port: int, n: int, out: str) -> None:
                                         (5, [0, 1, 2, 8, 9])])
 def test_grid_images_are_every_train_ranks_share_with_their_prompts(tmp_path, n, samples):
     out = str(tmp_path / "grid.pt")
-    mp.start_processes(_grid_rank, args=(_free_port(), n, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_grid_rank, args=(free_port(), n, out), nprocs=2, start_method="spawn")
     got = torch.load(out)
     assert got["images"].shape == (len(samples), 4, 4, 3)
     assert [int(im[0, 0, 0]) for im in got["images"]] == samples
