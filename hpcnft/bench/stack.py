@@ -239,11 +239,11 @@ class HpcnftStack:
 
     def base_fp8_storage_cost(self, n: int) -> dict:
         """What perf.base_fp8_storage costs: n samples (one batch, the same noise and conditioning)
-        sampled by the policy over its fp8-stored base (adapters at their start: the base) and by
-        the same DiT built again in the compute dtype. The velocity of one forward and the final
-        latents, compared."""
+        sampled by the policy's fp8-stored base (adapters off, so that phases that trained them
+        before do not count) and by the same DiT built again in the compute dtype. The velocity of
+        one forward and the final latents, compared."""
         policy = self.policy
-        with policy.old_weights():
+        with policy.base_weights():
             v8, x8 = self._velocity_and_latents(policy.transformer, n)
         plain = build_dit(self.S, self.dev).to(policy.compute_dtype).requires_grad_(False)
         v16, x16 = self._velocity_and_latents(plain, n)
