@@ -5,7 +5,8 @@ past it the caching allocator raises out-of-memory, as a card of N GiB would), o
 The settings are the cap's rung in hpcnft.perf.memory (the fastest candidate for a card of at
 most N GiB; a rung that runs out of memory gives way to the next smaller one, each attempt
 recorded), on top of the fast stack's levers; a model with no rungs keeps the fast settings
-(--set changes them). Each attempt's record carries `memory_cap_gib`, the settings, whether it
+(--set changes them); its DiT is built in host memory and cast (and stored) there before it
+moves, as a run loads it. Each attempt's record carries `memory_cap_gib`, the settings, whether it
 fitted, the cap applied (a cap up to 2 GiB over the device runs at all of it: an "80 GB" card),
 its peak over the whole attempt (models built, warm-up and timed iterations) and its
 iteration time; doc["memory_caps"] sums them up per cap."""
@@ -70,7 +71,8 @@ def run_caps(bench, caps: list[float], fast_over: dict, real_text: bool) -> None
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(applied / total, dev)
             torch.cuda.reset_peak_memory_stats(dev)
-            stack = HpcnftStack(name, f"hpcnft fast under a {cap:g} GiB cap", S, dev, over, real_text=real_text)
+            stack = HpcnftStack(name, f"hpcnft fast under a {cap:g} GiB cap", S, dev, over, real_text=real_text,
+                                host_build=True)
             phases = bench.phases_for(stack, [b], [mb])
             iteration = bench.iteration_for("fast")
             rec = bench.run_stack(stack, phases, iteration, {"rollout_batch": b, "micro_batch": mb})

@@ -74,9 +74,13 @@ def relative_error(a, b) -> float:
 class HpcnftStack:
     """The package's code path: Policy + Trainer + Learner, sampler and reward functions."""
 
-    def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict, real_text: bool = False):
+    def __init__(self, key: str, label: str, S: Shapes, dev, overrides: dict, real_text: bool = False,
+                 host_build: bool = False):
         self.key, self.label, self.S, self.dev = key, label, S, dev
         self.real_text = real_text  # SD3.5's text encoders at their real shapes (bench.text_encoders)
+        # The DiT built in host memory, as a run loads it: Policy casts (and stores) it before it
+        # moves it, so a capped GPU never holds the fp32 copy. Slower to build (a CPU's init).
+        self.host_build = host_build
         self.overrides = dict(overrides)
         self.cfg = bench_config(S, dev, overrides)
         self.config = {"overrides": {k: v for k, v in overrides.items()}}
@@ -99,7 +103,8 @@ class HpcnftStack:
             from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
-            self._policy = Policy(self.cfg, build_dit(self.S, self.dev), self.dev, mesh)
+            built_on = _torch().device("cpu") if self.host_build else self.dev
+            self._policy = Policy(self.cfg, build_dit(self.S, built_on), self.dev, mesh)
             self.trainer = algorithm_for(self.cfg).make_trainer(self._policy, None, 1)  # algo.name's
             self.sigmas = family_named(self.S.family).sigma_grid(scheduler(self.S), self.cfg.rollout.num_steps,
                                                                  self.S.latent_shape)

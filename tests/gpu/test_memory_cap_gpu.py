@@ -3,7 +3,8 @@ encoders offloaded and the VAE in slices, and SD3.5-M's real-shape train step at
 rung's settings, each run and recorded as fitting; a tiny 2+1 job with offloaded encoders ends
 bit-identical to one without; under perf.fsdp_cpu_offload a full fine-tune's state lives in
 pinned CPU memory and its 2+1 job over NCCL resumes bit for bit; so does a job whose base is
-stored in fp8 (perf.base_fp8_storage), its e4m3 shards all-gathered by NCCL."""
+stored in fp8 (perf.base_fp8_storage), its e4m3 shards all-gathered by NCCL; the base's fp32
+transformer never reaches the GPU (a run loads it on the host, Policy casts and stores it first)."""
 from __future__ import annotations
 
 import json
@@ -102,3 +103,49 @@ def test_an_fp8_base_job_over_nccl_all_gathers_its_e4m3_shards_and_resumes_bit_f
     fp8_base = ["--set", "perf.base_fp8_storage=true", "--set", 'train.precision="fp16"']
     done = assert_resumed_after_step_one_is_uninterrupted(tmp_path, *NCCL, *fp8_base)
     assert "perf.base_fp8_storage: the blocks' frozen linears hold" in done.stdout
+
+
+
+def wide_sd3_folder(tiny_dir: str, out) -> str:
+    """The tiny SD3.5 folder with a wider transformer (width 1024, 4 blocks: 0.4 GB in fp32), so that
+    what reaches the GPU is measured well above the allocator's rounding of small tensors."""
+    import shutil
+
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    shutil.copytree(tiny_dir, out)
+    config = SD3Transformer2DModel.load_config(f"{out}/transformer")
+    config.update(attention_head_dim=64, num_attention_heads=16, caption_projection_dim=1024, num_layers=4)
+    torch.manual_seed(0)
+    SD3Transformer2DModel.from_config(config).save_pretrained(f"{out}/transformer")
+    return str(out)
+
+
+def test_the_fp32_transformer_is_cast_and_stored_on_the_host_before_it_reaches_the_gpu(tiny_models, tmp_path):
+    import torch
+
+    from hpcnft.algo.policy import Policy
+    from hpcnft.algo.root_config import load_config
+    from hpcnft.bench.shapes import _MESH, world1_mesh
+    from hpcnft.models.families import family_named
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    cfg = load_config("tiny", ["perf.base_fp8_storage=true", 'train.precision="fp16"'])
+    folder = wide_sd3_folder(tiny_models[0], tmp_path / "sd35_wide")
+    mesh = world1_mesh(cuda)
+    try:
+        torch.cuda.empty_cache()
+        start = torch.cuda.memory_allocated(cuda)
+        torch.cuda.reset_peak_memory_stats(cuda)
+        pipe = family_named("sd3").load(folder, torch.float32, cuda, torch.device("cpu"))
+        fp32_bytes = sum(p.numel() * 4 for p in pipe.transformer.parameters())
+        vae_bytes = sum(t.numel() * t.element_size() for t in (*pipe.vae.parameters(), *pipe.vae.buffers()))
+        policy = Policy(cfg, pipe.transformer, cuda, mesh)
+        assert policy.base_storage and next(policy.transformer.parameters()).device == cuda
+        # fp8 block linears, the rest in fp16, fp32 adapters: a third of the fp32 copy that a
+        # load onto the device would have held first
+        assert torch.cuda.max_memory_allocated(cuda) - start - vae_bytes < 0.5 * fp32_bytes
+    finally:
+        torch.distributed.destroy_process_group()
+        _MESH.clear()

@@ -30,9 +30,11 @@ class Family:
         return getattr(models_cfg, self.dir_key.split(".", 1)[1])
 
     def load(self, path: str, dtype: torch.dtype, device: torch.device, text_encoder_device=None):
-        """The family's real diffusers pipeline from a local folder (safetensors only), every
-        part on `device` (the text encoders on `text_encoder_device` where given), frozen and in
-        eval mode."""
+        """The family's real diffusers pipeline from a local folder (safetensors only), frozen and
+        in eval mode: the VAE on `device`, the text encoders on `text_encoder_device` where given
+        (else `device`), the transformer in host memory. Policy casts the transformer to the
+        compute dtype (and perf.base_fp8_storage's fp8) before it moves it to `device`, so the
+        GPU never holds its fp32 copy (FLUX.1: 44 GiB)."""
         check_folder(self.dir_key, path, self.required)
         quiet_libraries()
         import diffusers
@@ -47,8 +49,8 @@ class Family:
         pipe.set_progress_bar_config(disable=True)
         for part in self.text_encoders(pipe):  # perf.text_encoders="offload": kept in CPU memory
             part.to(text_encoder_device or device).requires_grad_(False).eval()
-        for part in (pipe.vae, pipe.transformer):
-            part.to(device).requires_grad_(False).eval()
+        pipe.vae.to(device).requires_grad_(False).eval()
+        pipe.transformer.requires_grad_(False).eval()
         return pipe
 
     def build_tiny(self, out_dir: str) -> None:

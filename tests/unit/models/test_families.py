@@ -41,6 +41,16 @@ def test_the_family_is_known_by_the_dit_class(flux, tiny_models):
         family_of(torch.nn.Linear(2, 2))
 
 
+def test_the_transformer_stays_in_host_memory_for_the_policy_to_cast_first(tiny_models):
+    # the other parts go where they are asked; the DiT waits in fp32 on the host (Policy casts
+    # and stores it before the move, so a small card never holds its fp32 copy)
+    pipe = SD3.load(tiny_models[0], torch.float32, torch.device("meta"), CPU)
+    assert {p.device.type for p in pipe.vae.parameters()} == {"meta"}
+    assert {p.device.type for enc in SD3.text_encoders(pipe) for p in enc.parameters()} == {"cpu"}
+    assert {(p.device.type, p.dtype) for p in pipe.transformer.parameters()} == {("cpu", torch.float32)}
+    assert not any(p.requires_grad for p in pipe.transformer.parameters()) and not pipe.transformer.training
+
+
 def test_packing_is_fluxpipelines_and_unpacking_inverts_it(flux):
     x = torch.randn(2, 16, 8, 6)
     tokens = pack(x)
