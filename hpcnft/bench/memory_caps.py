@@ -81,7 +81,8 @@ def run_caps(bench, caps: list[float], fast_over: dict, real_text: bool) -> None
             whole = torch.cuda.max_memory_allocated(dev) / 2**30
             it = rec["phases"].get("iteration", {})
             entry = {"memory_cap_gib": cap, "cap_applied_gib": round(applied, 3), "stack": name,
-                     "recipe": rung.recipe if rung else "", "settings": settings, "overrides": over, "fits": fits, "peak_gib": round(whole, 3),
+                     "recipe": rung.recipe if rung else "", "settings": settings, "overrides": over, "fits": fits,
+                     "peak_gib": round(whole, 3),
                      "iteration_s": it.get("s"), "real_text_encoders": real_text}
             rec.update({k: v for k, v in entry.items() if k not in ("stack", "overrides")})
             summary.append(entry)

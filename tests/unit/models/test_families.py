@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpcnft.algo.root_config import ConfigError, load_config
-from hpcnft.algo.sampler import Conditioning, PromptEncoder, euler_sample, guided_velocity, null_autocast
+from hpcnft.algo.sampler import PromptEncoder, euler_sample, guided_velocity, null_autocast
 from hpcnft.models.families import FLUX, SD3, family_of
 from hpcnft.models.families.flux import pack, unpack
 from hpcnft.models.tiny import tree_digest
