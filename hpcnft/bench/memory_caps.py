@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from hpcnft.bench.shapes import _torch
 from hpcnft.bench.stack import HpcnftStack
+from hpcnft.bench.timing import high_water_gib, start_high_water
 from hpcnft.common.errors import UsageError
 
 
@@ -70,15 +71,18 @@ def run_caps(bench, caps: list[float], fast_over: dict, real_text: bool) -> None
             name = f"cap{cap:g}" + (f":{rung.recipe}" if rung else "")
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(applied / total, dev)
-            torch.cuda.reset_peak_memory_stats(dev)
+            start_high_water(dev)
             stack = HpcnftStack(name, f"hpcnft fast under a {cap:g} GiB cap", S, dev, over, real_text=real_text,
                                 host_build=True)
+            # what a card needs, not what counting FLOPs needs (an eager pass: Bench.flops_of); the
+            # uncapped fast stack's counts are those of the same phases
+            stack.count_flops = False
             phases = bench.phases_for(stack, [b], [mb])
             iteration = bench.iteration_for("fast")
             rec = bench.run_stack(stack, phases, iteration, {"rollout_batch": b, "micro_batch": mb})
             wanted = [p[0] for p in phases] + (["iteration"] if iteration else [])
             fits = _fitted(rec, wanted)
-            whole = torch.cuda.max_memory_allocated(dev) / 2**30
+            whole = high_water_gib(dev)
             it = rec["phases"].get("iteration", {})
             entry = {"memory_cap_gib": cap, "cap_applied_gib": round(applied, 3), "stack": name,
                      "recipe": rung.recipe if rung else "", "settings": settings, "overrides": over, "fits": fits,

@@ -53,6 +53,7 @@ def environment(dev) -> dict:
         env["device"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs"
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
+        env["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # expandable segments fit more
     for mod in ("diffusers", "transformers", "peft"):
         try:
             env[mod] = __import__(mod).__version__

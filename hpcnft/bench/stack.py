@@ -87,6 +87,7 @@ class HpcnftStack:
         self._policy = self._vae = self._scorer = self._tr = None
         self.term_towers = {}  # what each reward term beside PickScore ran (bench.terms.build_term)
         self.step_no = 0
+        self.count_flops = True  # Bench counts each phase's FLOPs (an eager pass) after timing it
         self.last_metrics = {}
 
     @property

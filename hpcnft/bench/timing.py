@@ -34,26 +34,53 @@ def _peak_rss_gib() -> float | None:
     return None
 
 
+# The allocator's peak folded in before each reset, since start_high_water: a phase's reset
+# for its own reading must not lose what an earlier phase, a build or a warm-up reached.
+_HIGH_WATER = [0]
+
+
+def reset_peak(dev) -> None:
+    torch = _torch()
+    _HIGH_WATER[0] = max(_HIGH_WATER[0], torch.cuda.max_memory_allocated(dev))
+    torch.cuda.reset_peak_memory_stats(dev)
+
+
+def start_high_water(dev) -> None:
+    """From now on high_water_gib covers everything: builds, warm-ups and timed calls."""
+    _torch().cuda.reset_peak_memory_stats(dev)
+    _HIGH_WATER[0] = 0
+
+
+def high_water_gib(dev) -> float:
+    return max(_HIGH_WATER[0], _torch().cuda.max_memory_allocated(dev)) / 2**30
+
+
 def measure(fn, dev, warm: int, reps: int) -> dict:
     """Median seconds of `fn` after `warm` calls (CUDA events on a GPU), and the peak memory
-    during the timed calls: on a GPU what the caching allocator handed out (`peak_gib`), on a
-    CPU (Linux) the process's peak resident set (`peak_rss_gib`: Python and the libraries too)."""
+    during the timed calls: on a GPU what the caching allocator handed out (`peak_gib`; over the
+    warm-up calls, which compile, `warm_peak_gib`), on a CPU (Linux) the process's peak resident
+    set (`peak_rss_gib`: Python and the libraries too)."""
     torch = _torch()
     from hpcnft.perf.mfu import time_calls
 
+    cuda = dev.type == "cuda"
+    if cuda:
+        reset_peak(dev)
     for _ in range(warm):
         fn()
     sync(dev)
-    cuda = dev.type == "cuda"
     rss = False
     if cuda:
-        torch.cuda.reset_peak_memory_stats(dev)
+        warm_peak = torch.cuda.max_memory_allocated(dev) / 2**30
+        reset_peak(dev)
     else:
         rss = _reset_peak_rss()
     times = time_calls(fn, dev, reps)
     out = {"s": statistics.median(times), "runs_s": [round(t, 6) for t in times], "warm": warm}
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        if warm:
+            out["warm_peak_gib"] = warm_peak
     elif rss and (peak := _peak_rss_gib()) is not None:
         out["peak_rss_gib"] = peak
     return out

@@ -24,6 +24,9 @@ def test_a_tiny_iteration_runs_under_a_cap_with_its_encoders_offloaded(tmp_path,
     [entry] = doc["memory_caps"]
     assert entry["memory_cap_gib"] == 2 and entry["fits"] and 0 < entry["peak_gib"] <= 2
     assert entry["overrides"]["perf.text_encoders"] == "offload" and entry["iteration_s"] > 0
+    # the attempt's peak covers the warm-up (which compiles) and the build, not just the timed call
+    timed = doc["stacks"][entry["stack"]]["phases"]["iteration"]
+    assert 0 < timed["warm_peak_gib"] <= entry["peak_gib"] and timed["peak_gib"] <= entry["peak_gib"]
 
 
 def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache):
@@ -32,6 +35,9 @@ def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache
            "--memory-cap-gib", "24", "--json", str(out), timeout=600)
     entry = json.loads(out.read_text())["memory_caps"][0]
     assert entry["recipe"] == "sd35m_pickscore_24gb" and entry["fits"] and entry["peak_gib"] <= 24
+    # under a cap no FLOPs are counted: the count's eager pass needs more than the step (Bench.flops_of)
+    doc = json.loads(out.read_text())
+    assert all("flops" not in m for m in doc["stacks"][entry["stack"]]["phases"].values())
 
 
 def test_embeddings_are_cached_off_the_gpu_and_an_offloaded_pass_leaves_the_pinned_weights_in_place(tiny_models):

@@ -194,3 +194,32 @@ def test_fp32_arithmetic_runs_compiled_code_eagerly():
         assert graphs["unique_graphs"] == before
     double(torch.ones(3))
     assert graphs["unique_graphs"] == before + 1  # outside, compiled as usual
+
+
+def test_a_phase_whose_flop_count_runs_out_of_memory_keeps_its_time(tmp_path):
+    # the count is an eager pass that can need more than the compiled call (a capped card)
+    import argparse
+    import contextlib
+    import json
+
+    from hpcnft.bench.run import Bench
+    from hpcnft.bench.shapes import tiny_shapes
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) > 3:  # warm-up and two timed calls fit; the count's pass does not
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 GiB")
+
+    args = argparse.Namespace(argv=["--shapes", "tiny"], budget_s=None, json=str(tmp_path / "b.json"))
+    bench = Bench(args, tiny_shapes(), torch.device("cpu"))
+    bench.doc["ceiling_tflops"] = 1.0
+    rec = {"key": "s", "phases": {}}
+    m = bench.phase(rec, "train_pair_mb1", lambda: (fn, contextlib.nullcontext), "pair", 1, warm=1, reps=2)
+    assert m is not None and m["s"] >= 0 and "flops" not in m and "mfu" not in m
+    assert m["flops_error"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert not bench.doc["errors"] and json.loads((tmp_path / "b.json").read_text())["stacks"] == {}
+    counted = bench.phase(rec, "free", lambda: (lambda: torch.ones(2, 3) @ torch.ones(3, 4), contextlib.nullcontext),
+                          "call", 1, warm=0, reps=1)
+    assert counted["flops"] == 2 * 2 * 3 * 4 and "flops_error" not in counted
