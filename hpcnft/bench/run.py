@@ -91,9 +91,9 @@ class Bench:
         return m
 
     def flops_of(self, fn) -> dict:
-        """{"flops": n}, or {"flops_error": why}: the count runs the call eagerly under
-        FlopCounterMode, which needs more memory than the compiled call it counts (SD3.5-L's
-        train pair at micro-batch 4: 45 GiB against 12.9), so a count that fails loses no time."""
+        """{"flops": n}, or {"flops_error": why}: the count runs the call once more, eagerly,
+        which can need more memory than the compiled call it counts, so a count that fails loses
+        no time."""
         try:
             return {"flops": count_flops(fn)}
         except Exception as e:  # noqa: BLE001

@@ -87,15 +87,15 @@ def measure(fn, dev, warm: int, reps: int) -> dict:
 
 
 def count_flops(fn) -> int:
-    """FLOPs of one call of `fn`, counted by FlopCounterMode with compiled code run eagerly."""
+    """FLOPs of one call of `fn`, counted (hpcnft.perf.mfu.FlopCount) with compiled code run eagerly."""
     torch = _torch()
-    from torch.utils.flop_counter import FlopCounterMode
+    from hpcnft.perf.mfu import FlopCount
 
     stance = torch.compiler.set_stance("force_eager") if hasattr(torch.compiler, "set_stance") \
         else contextlib.nullcontext()
-    with stance, FlopCounterMode(display=False) as fc:
+    with stance, FlopCount() as fc:
         fn()
-    return int(fc.get_total_flops())
+    return int(fc.total)
 
 
 def matmul_ceiling(dev, n: int) -> dict:
