@@ -4,8 +4,8 @@ from __future__ import annotations
 import contextlib
 import json
 
-from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_vae, clip_processor,
-                                 prompt_list, random_images, scheduler, smooth_images, world1_mesh)
+from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_dit_on_host, build_vae,
+                                 clip_processor, prompt_list, random_images, scheduler, smooth_images, world1_mesh)
 from hpcnft.common.errors import UsageError
 
 
@@ -104,8 +104,8 @@ class HpcnftStack:
             from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
-            built_on = _torch().device("cpu") if self.host_build else self.dev
-            self._policy = Policy(self.cfg, build_dit(self.S, built_on), self.dev, mesh)
+            dit = build_dit_on_host(self.S) if self.host_build else build_dit(self.S, self.dev)
+            self._policy = Policy(self.cfg, dit, self.dev, mesh)
             self.trainer = algorithm_for(self.cfg).make_trainer(self._policy, None, 1)  # algo.name's
             self.sigmas = family_named(self.S.family).sigma_grid(scheduler(self.S), self.cfg.rollout.num_steps,
                                                                  self.S.latent_shape)

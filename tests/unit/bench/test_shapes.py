@@ -1,12 +1,12 @@
 """hpcnft bench's shapes beside SD3.5-M: SD3.5-Large and FLUX.1-dev at their real sizes (built on
 the meta device, nothing allocated), their configs, and the tiny FLUX's plain stack against the
-package's FLUX family (CPU)."""
+package's FLUX family; the DiT built in host memory with its random fills on every core (CPU)."""
 import pytest
 import torch
 
 from hpcnft.algo.root_config import load_config
 from hpcnft.bench.levers import expand_levers, fast_overrides
-from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit, build_dit_on_host
 from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 from hpcnft.perf.config import SD3_ONLY_LEVERS
@@ -106,3 +106,24 @@ def test_tiny_flux_plain_stack_calls_the_dit_as_the_flux_family_does():
         theirs = velocity(dit, x, sigma, pe, pooled, torch.float32, guidance=3.5)
     assert mine.shape == x.shape
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_flux"])
+def test_the_host_build_draws_the_init_functions_fills_on_every_core_the_same_each_time(name):
+    import math
+
+    S = SHAPES[name]()
+    uniform = torch.nn.init.uniform_
+    one, two, plain = build_dit_on_host(S), build_dit_on_host(S), build_dit(S, CPU)
+    assert torch.nn.init.uniform_ is uniform  # put back
+    a, ref = one.state_dict(), plain.state_dict()
+    assert list(a) == list(ref) and all(a[k].shape == ref[k].shape and a[k].dtype == ref[k].dtype for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(one.parameters(), two.parameters()))
+    # computed, not drawn (diffusers' sin/cos tables can differ in the last bit with their memory's alignment)
+    for x, y in zip(one.buffers(), plain.buffers()):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    for m in one.modules():  # nn.Linear's kaiming_uniform(a=sqrt(5)) and bias bounds: 1/sqrt(fan_in)
+        if isinstance(m, torch.nn.Linear):
+            bound = 1 / math.sqrt(m.in_features)
+            for p in (m.weight, m.bias) if m.bias is not None else (m.weight,):
+                assert torch.isfinite(p).all() and 0 < p.abs().max() <= bound * (1 + 1e-6)
