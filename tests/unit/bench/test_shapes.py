@@ -127,3 +127,24 @@ def test_the_host_build_draws_the_init_functions_fills_on_every_core_the_same_ea
             bound = 1 / math.sqrt(m.in_features)
             for p in (m.weight, m.bias) if m.bias is not None else (m.weight,):
                 assert torch.isfinite(p).all() and 0 < p.abs().max() <= bound * (1 + 1e-6)
+
+
+def test_a_host_built_stack_trains_the_host_builds_weights():
+    # what a capped stack (hpcnft bench --memory-cap-gib) wraps in its Policy
+    import torch.distributed as dist
+
+    from hpcnft.bench.shapes import _MESH
+    from hpcnft.bench.stack import HpcnftStack
+
+    S = SHAPES["tiny"]()
+    stack = HpcnftStack("t", "t", S, CPU, {}, host_build=True)
+    try:
+        built = dict(build_dit_on_host(S).named_parameters())
+        base = {n.replace(".base_layer", ""): p.full_tensor() if hasattr(p, "full_tensor") else p
+                for n, p in stack.policy.transformer.named_parameters() if not p.requires_grad}
+        assert set(base) == set(built) and all(torch.equal(base[n], built[n]) for n in built)
+    finally:
+        stack.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _MESH.clear()
