@@ -219,14 +219,9 @@ def build_dit_on_host(S: Shapes):
     bounds) drawn on every core, each from its own seeded generator: the same weights whatever
     the threads' order."""
     torch = _torch()
-    import diffusers
-
-    from hpcnft.models.families import family_named
-
-    torch.manual_seed(0)
     calls = []
-    with _deferred_random_init(calls), torch.device("cpu"):
-        dit = getattr(diffusers, family_named(S.family).transformer_class)(**S.dit)
+    with _deferred_random_init(calls):
+        dit = build_dit(S, torch.device("cpu"))
 
     # a tensor filled twice (a module's own init after nn.Linear's) is filled in the same order
     by_storage: dict[int, list[int]] = {}

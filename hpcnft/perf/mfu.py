@@ -55,9 +55,9 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype) -> float:
 
 class _TotalFlopCounter(FlopCounterMode):
     """FlopCounterMode without its per-module breakdown (only the total is read): the module
-    tracker behind that breakdown hooks every module's outputs, which keeps alive the activations
-    that gradient checkpointing drops (SD3.5-L's checkpointed train pair at micro-batch 4 needs
-    45 GiB counted, against 12.9 GiB run). Every count lands on the tracker's root, "Global"."""
+    tracker behind that breakdown holds each checkpointed block's recomputed tensors until the
+    count ends, so a counted backward grows by a block's activations per block
+    (tests/unit/perf/test_mfu.py). Every count lands on the tracker's root, "Global"."""
 
     def __enter__(self):
         self.flop_counts.clear()

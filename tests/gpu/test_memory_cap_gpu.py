@@ -33,10 +33,10 @@ def test_the_24gb_rungs_real_shape_train_step_fits_24_gib(tmp_path, hpcnft_cache
     out = tmp_path / "caps.json"
     hpcnft("bench", "--shapes", "sd35m", "--no-default", "--phases", "train", "--own-shapes",
            "--memory-cap-gib", "24", "--json", str(out), timeout=600)
-    entry = json.loads(out.read_text())["memory_caps"][0]
+    doc = json.loads(out.read_text())
+    entry = doc["memory_caps"][0]
     assert entry["recipe"] == "sd35m_pickscore_24gb" and entry["fits"] and entry["peak_gib"] <= 24
     # under a cap no FLOPs are counted: the count's eager pass needs more than the step (Bench.flops_of)
-    doc = json.loads(out.read_text())
     assert all("flops" not in m for m in doc["stacks"][entry["stack"]]["phases"].values())
 
 
@@ -109,7 +109,6 @@ def test_an_fp8_base_job_over_nccl_all_gathers_its_e4m3_shards_and_resumes_bit_f
     fp8_base = ["--set", "perf.base_fp8_storage=true", "--set", 'train.precision="fp16"']
     done = assert_resumed_after_step_one_is_uninterrupted(tmp_path, *NCCL, *fp8_base)
     assert "perf.base_fp8_storage: the blocks' frozen linears hold" in done.stdout
-
 
 
 def wide_sd3_folder(tiny_dir: str, out) -> str:
