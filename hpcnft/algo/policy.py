@@ -99,6 +99,7 @@ class Policy:
 
     @contextlib.contextmanager
     def _swapped_in(self, weights: list[torch.Tensor], fp8_gemms: str | None):
+        self._settle_host_shards()
         with torch.no_grad():
             live = [local_shard(p).detach().clone() for p in self.trainable]
             for p, s in zip(self.trainable, weights):
@@ -108,9 +109,17 @@ class Policy:
                 with levers.fp8_blocks(self, fp8_gemms):
                     yield
         finally:
+            self._settle_host_shards()
             with torch.no_grad():
                 for p, x in zip(self.trainable, live):
                     local_shard(p).copy_(x)
+
+    def _settle_host_shards(self) -> None:
+        """Under perf.fsdp_cpu_offload the shards live in pinned host memory, which FSDP2 copies
+        to the GPU without blocking: the copies queued so far must have read the shards before
+        they are rewritten in place, or a block computes with the other policy's weights."""
+        if self.device.type == "cuda" and self.trainable and local_shard(self.trainable[0]).device.type == "cpu":
+            torch.cuda.synchronize(self.device)
 
     def rollout_weights(self):
         """pi_old for the rollout: old_weights, in fp8 under perf.rollout_fp8."""

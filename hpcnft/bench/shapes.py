@@ -343,7 +343,9 @@ def world1_mesh(dev):
         if not dist.is_initialized():
             # gloo beside NCCL for CPU tensors: a stack under perf.fsdp_cpu_offload reduces them
             backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
-            kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+            # a group of two backends binds NCCL to an indexed device ("cuda" alone is refused)
+            index = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else None
+            kwargs = {"device_id": torch.device("cuda", index)} if dev.type == "cuda" else {}
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port of the kernel's choice
             dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
         _MESH.append(DeviceMesh(dev.type, torch.tensor([0])))

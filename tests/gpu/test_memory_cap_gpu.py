@@ -97,7 +97,8 @@ def test_fsdp_cpu_offload_keeps_a_full_fine_tunes_weights_gradients_and_adamw_st
         assert all(s.device.type == "cpu" for s in stack.policy.shadow)
     finally:
         stack.close()
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         _MESH.clear()
 
 
