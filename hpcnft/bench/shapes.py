@@ -343,9 +343,10 @@ def world1_mesh(dev):
         if not dist.is_initialized():
             # gloo beside NCCL for CPU tensors: a stack under perf.fsdp_cpu_offload reduces them
             backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
-            # a group of two backends binds NCCL to an indexed device ("cuda" alone is refused)
-            index = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else None
-            kwargs = {"device_id": torch.device("cuda", index)} if dev.type == "cuda" else {}
+            kwargs = {}
+            if dev.type == "cuda":  # a group of two backends binds NCCL to an indexed device ("cuda" is refused)
+                index = torch.cuda.current_device() if dev.index is None else dev.index
+                kwargs["device_id"] = torch.device("cuda", index)
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # a port of the kernel's choice
             dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
         _MESH.append(DeviceMesh(dev.type, torch.tensor([0])))
