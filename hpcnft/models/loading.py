@@ -22,6 +22,20 @@ class ModelPaths:
     pickscore_processor: str
 
 
+def check_model_folders(cfg, paths: ModelPaths) -> None:
+    """Every folder this config loads holds, tensor for tensor, what its configs make (a rank's
+    check before the rendezvous: a wrong shape or a missing shard is one ModelError line naming
+    the key and the file, and nothing is written to the run dir)."""
+    from hpcnft.models.folder_check import check_processor, check_tensors
+    from hpcnft.models.tiny_cache import reads_pickscore_dir
+
+    family = base_family(cfg)
+    check_tensors(family.dir_key, paths.base)
+    if reads_pickscore_dir(cfg):
+        check_tensors("models.pickscore_dir", paths.pickscore)
+        check_processor("models.pickscore_processor_dir", paths.pickscore_processor, paths.pickscore)
+
+
 def base_family(cfg) -> Family:
     return family_named(cfg.models.family)
 

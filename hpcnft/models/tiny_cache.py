@@ -23,15 +23,18 @@ def tiny_cache(cfg) -> str:
     return cfg.models.tiny_cache or cache_dir()
 
 
+def reads_pickscore_dir(cfg) -> bool:
+    """Whether a PickScore term reads models.pickscore_dir (no reward.terms: PickScore alone)."""
+    return not cfg.reward.terms or any(t.kind == "pickscore" and not t.model_dir for t in cfg.reward.terms)
+
+
 def tiny_models_used(cfg) -> tuple[bool, bool]:
     """Which tiny base models a config uses: (the tiny SD3.5 and PickScore, built together; the
     tiny FLUX.1-dev), where the folder the config names is empty. The tiny PickScore only where a
     PickScore term reads models.pickscore_dir (no reward.terms: PickScore alone)."""
     m = cfg.models
     base = m.sd3_dir if m.family == "sd3" else m.flux_dir
-    reads_pickscore_dir = not cfg.reward.terms or any(t.kind == "pickscore" and not t.model_dir
-                                                      for t in cfg.reward.terms)
-    tiny_pickscore = reads_pickscore_dir and not m.pickscore_dir
+    tiny_pickscore = reads_pickscore_dir(cfg) and not m.pickscore_dir
     return tiny_pickscore or (m.family == "sd3" and not base), m.family == "flux" and not base
 
 

@@ -20,7 +20,7 @@ from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
 from hpcnft.distributed import groups, spawner
 from hpcnft.distributed.launch import LaunchInfo
 from hpcnft.distributed.preempt import PreemptFlag
-from hpcnft.models.loading import ModelError, resolve_model_paths
+from hpcnft.models.loading import ModelError, check_model_folders, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
 from hpcnft.run.failures import FailureClaim
@@ -118,7 +118,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
         if info.rank == 0 and tiny_models_needed(cfg):
             print("hpcnft: building the tiny models (once, into the cache)", flush=True)
-        resolve_model_paths(cfg)
+        check_model_folders(cfg, resolve_model_paths(cfg))  # headers against configs: no weight loads
         build_tiny_models(cfg)  # the reward terms' tiny models
     except BAD_INPUT as e:  # every rank of a node meets it alike: its first rank says it
         if info.local_rank == 0:

@@ -45,12 +45,28 @@ def check_input(cfg, world_size: int | None = None) -> None:
         if m.pickscore_processor_dir or m.pickscore_dir:
             check_folder("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
                          PROCESSOR_REQUIRED)
+        check_model_files(cfg)
     except (ModelError, PromptFileError, ConfigError) as e:
         raise UsageError(str(e)) from None
     check_trackers(cfg)
     check_term_extras(cfg)
     check_memory_budget(cfg)
     check_run_dir(cfg.run_dir)
+
+
+def check_model_files(cfg) -> None:
+    """The configured model folders' own files agree (shards, tokenizers; JSON only, no torch):
+    a missing shard or a foreign tokenizer is refused here, before any rank starts."""
+    from hpcnft.models.folder_check import check_files, check_processor
+
+    m = cfg.models
+    base = m.flux_dir if m.family == "flux" else m.sd3_dir
+    if base:
+        check_files(f"models.{'flux' if m.family == 'flux' else 'sd3'}_dir", base)
+    if m.pickscore_dir:
+        check_files("models.pickscore_dir", m.pickscore_dir)
+        check_processor("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
+                        m.pickscore_dir)
 
 
 def check_memory_budget(cfg) -> None:

@@ -342,3 +342,43 @@ def test_under_a_launcher_rank_0_refuses_a_missing_tracker_package_before_the_re
                           env=env, cwd=tmp_path)
     _assert_one_line_exit_2(proc, ["logging.trackers", "wandb", "pip install 'hpcnft[wandb]'"])
     assert not (tmp_path / "cache").exists()
+
+
+def _folder_copy(tiny_models, tmp_path: Path) -> Path:
+    import shutil
+
+    copy = tmp_path / "sd3"
+    shutil.copytree(tiny_models[0], copy)
+    return copy
+
+
+def test_a_model_folder_missing_a_shard_is_refused_before_any_rank_starts(tiny_models, tmp_path):
+    """The index names a shard that is not there: the starting process says which, reading JSON."""
+    import json
+
+    folder = _folder_copy(tiny_models, tmp_path)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.rename(folder / "vae" / "diffusion_pytorch_model-00001-of-00002.safetensors")
+    (folder / "vae" / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"encoder.conv_in.weight": "diffusion_pytorch_model-00001-of-00002.safetensors",
+                                        "decoder.conv_out.weight": "diffusion_pytorch_model-00002-of-00002.safetensors"}}))
+    run_dir = _prepare_run_dir(tmp_path)
+    before = _snapshot(run_dir)
+    proc = _run(["--set", f"models.sd3_dir={folder}", "--run-dir", str(run_dir)], tmp_path)
+    _assert_one_line_exit_2(proc, ["models.sd3_dir", "vae/diffusion_pytorch_model-00002-of-00002.safetensors is missing",
+                                   "vae/diffusion_pytorch_model.safetensors.index.json names it"])
+    assert _snapshot(run_dir) == before and not (tmp_path / "cache").exists()
+
+
+def test_a_model_folder_whose_tensor_has_another_shape_is_refused_by_the_ranks_writing_nothing(tiny_models, tmp_path):
+    """A config that does not make the file's tensors: the ranks build its class on the meta
+    device and read the headers before the rendezvous; the run dir this start made is gone."""
+    import json
+
+    folder = _folder_copy(tiny_models, tmp_path)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "pooled_projection_dim": 48}))
+    proc = _run(["--set", f"models.sd3_dir={folder}", "--run-dir", str(tmp_path / "fresh")], tmp_path)
+    _assert_one_line_exit_2(proc, ["rank 0", "models.sd3_dir", "transformer/diffusion_pytorch_model.safetensors holds",
+                                   "but transformer/config.json makes it"])
+    assert not (tmp_path / "fresh").exists()
