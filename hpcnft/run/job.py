@@ -260,7 +260,11 @@ class TrainJob:
                 log.info(line)
             stop = self.stop_requested()
             if self.checkpoint_due(step) or stop:
-                self.checkpointer.save(step)
+                t_save = time.perf_counter()
+                saved = self.checkpointer.save(step)
+                if saved:  # rank 0: what a checkpoint of this run costs, for the log
+                    log.info("checkpoint of step %d: %.1f MiB in %.2f s", step, folder_bytes(saved) / 2**20,
+                             time.perf_counter() - t_save)
             if stop and step < cfg.steps:
                 return self.preempted(step)
         tr.client.finish(cfg.steps)
@@ -288,6 +292,10 @@ class TrainJob:
                 (f"; `{self.resume_command}` resumes it" if self.resume_command else "")
             print(f"hpcnft: {how} at step {step}: checkpointed{then}", flush=True)
         return EXIT_INTERRUPTED if self.flag.interrupted else EXIT_PREEMPTED
+
+
+def folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 def steps_text(n: int) -> str:
