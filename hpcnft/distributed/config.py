@@ -10,6 +10,7 @@ from hpcnft.common.errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl on GPUs, gloo on CPUs (groups.resolve_backend)
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is (groups.pick_device)
 MAX_TIMEOUT_S = 86400.0  # collectives wait at most a day
+STAGGER = ("auto", "always", "never")
 
 
 @dataclass
@@ -27,6 +28,10 @@ class LayoutConfig:
     emulate_hosts: bool = setting(
         False, "several NCCL ranks on one GPU, each claiming a host of its own (NCCL_HOSTID) so that NCCL accepts "
         "them: to try a layout's code paths on one GPU, for correctness, not speed (the ranks then talk over sockets)")
+    stagger_loads: str = setting(
+        "auto", "the train ranks of one host load the base transformer one at a time (it sits in host memory in fp32 "
+        "until cast: FLUX.1-dev's is 44 GiB): `auto` where all at once would take over 80 % of the memory available "
+        "as they start, `always`, `never`", choices=STAGGER)
 
     def check(self) -> None:
         if self.emulate_hosts and (self.backend == "gloo" or self.device == "cpu"):

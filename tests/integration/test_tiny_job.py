@@ -71,6 +71,19 @@ def test_same_command_twice_is_bit_identical(tiny_run, tiny_run_again):
 
 
 @pytest.mark.slow
+def test_train_ranks_loading_one_at_a_time_say_so_and_give_the_same_bits(tiny_run, tmp_path):
+    from jobs import TINY_ARGS, TINY_STEPS
+
+    run_dir = str(tmp_path / "staggered")
+    r = hpcnft("run", "tiny", "--steps", str(TINY_STEPS), "--run-dir", run_dir, *TINY_ARGS,
+               "--set", "layout.stagger_loads=always")
+    said = [line for line in r.stdout.splitlines() if "one at a time" in line]
+    assert len(said) == 1 and said[0].startswith("hpcnft: the train ranks of a host load the base transformer one "
+                                                 "at a time (2 x "), r.stdout
+    assert_same_metrics(tiny_run.run_dir, run_dir)
+
+
+@pytest.mark.slow
 def test_torchrun_gives_the_same_metrics_and_a_finished_run_again_loads_nothing(tiny_run, tmp_path):
     import subprocess
     import sys

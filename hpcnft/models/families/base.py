@@ -29,12 +29,14 @@ class Family:
     def model_dir(self, models_cfg) -> str:
         return getattr(models_cfg, self.dir_key.split(".", 1)[1])
 
-    def load(self, path: str, dtype: torch.dtype, device: torch.device, text_encoder_device=None):
+    def load(self, path: str, dtype: torch.dtype, device: torch.device, text_encoder_device=None,
+             text_encoder_dtype: torch.dtype | None = None):
         """The family's real diffusers pipeline from a local folder (safetensors only), frozen and
         in eval mode: the VAE on `device`, the text encoders on `text_encoder_device` where given
-        (else `device`), the transformer in host memory. Policy casts the transformer to the
-        compute dtype (and perf.base_fp8_storage's fp8) before it moves it to `device`, so the
-        GPU never holds its fp32 copy (FLUX.1: 44 GiB)."""
+        (else `device`) in `text_encoder_dtype` where given (else `dtype`), the transformer in
+        host memory. Policy casts the transformer to the compute dtype (and
+        perf.base_fp8_storage's fp8) before it moves it to `device`, so the GPU never holds its
+        fp32 copy (FLUX.1: 44 GiB)."""
         check_folder(self.dir_key, path, self.required)
         quiet_libraries()
         import diffusers
@@ -42,8 +44,10 @@ class Family:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
+                dtypes = {"default": dtype, **{name: text_encoder_dtype for name in self.text_encoder_names}} \
+                    if text_encoder_dtype is not None else dtype
                 pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
-                    path, local_files_only=True, use_safetensors=True, dtype=dtype)
+                    path, local_files_only=True, use_safetensors=True, dtype=dtypes)
         except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
             raise ModelError(f"{self.dir_key}: cannot load {path!r} ({one_line(e)})") from None
         pipe.set_progress_bar_config(disable=True)
@@ -57,8 +61,10 @@ class Family:
         raise NotImplementedError
 
     # -- prompts ---------------------------------------------------------------------------
+    text_encoder_names: tuple[str, ...] = ()  # the pipeline's text encoder components
+
     def text_encoders(self, pipe) -> list:
-        raise NotImplementedError
+        return [getattr(pipe, name) for name in self.text_encoder_names]
 
     def encode_prompt(self, pipe, prompt: str, max_sequence_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """One prompt's (token embeddings [1, L, D], pooled embedding [1, P])."""

@@ -65,8 +65,7 @@ class FluxFamily(Family):
 
         build_tiny_flux(out_dir)
 
-    def text_encoders(self, pipe) -> list:
-        return [pipe.text_encoder, pipe.text_encoder_2]
+    text_encoder_names = ("text_encoder", "text_encoder_2")
 
     def encode_prompt(self, pipe, prompt, max_sequence_length, device):
         pe, pooled, _ = pipe.encode_prompt(prompt, None, device=device, max_sequence_length=max_sequence_length)

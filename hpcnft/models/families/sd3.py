@@ -35,8 +35,7 @@ class SD3Family(Family):
 
         build_tiny_sd3(out_dir)
 
-    def text_encoders(self, pipe) -> list:
-        return [pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
+    text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
     def encode_prompt(self, pipe, prompt, max_sequence_length, device):
         pe, _, pooled, _ = pipe.encode_prompt(prompt, None, None, device=device, do_classifier_free_guidance=False,
