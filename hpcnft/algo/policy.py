@@ -75,10 +75,11 @@ class Policy:
         family_of(tr).prepare_dit(tr)
         if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
             return
-        options = levers.fsdp_options(self.cfg, self.device)  # perf.fsdp_cpu_offload
+        options = levers.fsdp_options(self.cfg, self.device, tr)  # perf.fsdp_cpu_offload, replicate_frozen_base
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
-        # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then.
-        if cfg.finetune == "lora" and self.compute_dtype != torch.float32:
+        # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then (and not
+        # where the base is left out of FSDP2 altogether).
+        if cfg.finetune == "lora" and self.compute_dtype != torch.float32 and "ignored_params" not in options:
             for module in tr.modules():
                 if isinstance(module, torch.nn.Linear) and any(p.requires_grad for p in module.parameters(False)):
                     fully_shard(module, mesh=mesh, **options)

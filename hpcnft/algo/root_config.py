@@ -112,6 +112,12 @@ class Config:
                               f"tokens, got {r.max_sequence_length}")
         if self.perf.base_fp8_storage:
             self.check_fp8_storage()
+        if self.perf.replicate_frozen_base and self.train.finetune != "lora":
+            raise ConfigError("perf.replicate_frozen_base: keeps a LoRA run's frozen base whole; train.finetune is "
+                              f"{self.train.finetune!r}")
+        if self.perf.replicate_frozen_base and self.perf.fsdp_cpu_offload:
+            raise ConfigError("perf.replicate_frozen_base: keeps the frozen base whole on the GPU, which "
+                              "perf.fsdp_cpu_offload moves to CPU memory; set one of them to false")
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")

@@ -73,8 +73,11 @@ def use_fsdp(cfg, mesh) -> bool:
     return not (cfg.perf.skip_single_rank_fsdp and mesh is not None and mesh.size() == 1)
 
 
-def fsdp_options(cfg, device: torch.device) -> dict:
-    """fully_shard's keyword arguments for the levers in force: perf.fsdp_cpu_offload's policy."""
+def fsdp_options(cfg, device: torch.device, transformer) -> dict:
+    """fully_shard's keyword arguments for the levers in force: perf.fsdp_cpu_offload's policy,
+    perf.replicate_frozen_base's ignored (whole, unsharded) frozen parameters."""
+    if cfg.perf.replicate_frozen_base:
+        return {"ignored_params": {p for p in transformer.parameters() if not p.requires_grad}}
     if not cfg.perf.fsdp_cpu_offload:
         return {}
     from torch.distributed.fsdp import CPUOffloadPolicy

@@ -17,7 +17,7 @@ RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpo
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
                        "logging.trackers",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
-                       "layout.emulate_hosts", "layout.stagger_loads"}
+                       "layout.emulate_hosts", "layout.stagger_loads", "perf.replicate_frozen_base"}
 # Keys of each reward term ([] for any index) that say where, how patiently and with which secret
 # a remote term asks, not what is scored: they may change on resume too, with a warning (a judge
 # moved to another port, a longer timeout, a token in another variable).

@@ -45,12 +45,15 @@ def check_input(cfg, world_size: int | None = None) -> None:
         if m.pickscore_processor_dir or m.pickscore_dir:
             check_folder("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
                          PROCESSOR_REQUIRED)
-        check_model_files(cfg)
     except (ModelError, PromptFileError, ConfigError) as e:
         raise UsageError(str(e)) from None
     check_trackers(cfg)
     check_term_extras(cfg)
     check_memory_budget(cfg)
+    try:  # the folders' contents after what the config alone decides
+        check_model_files(cfg)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
     check_run_dir(cfg.run_dir)
 
 

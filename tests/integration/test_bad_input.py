@@ -184,6 +184,11 @@ def _case_memory_budget_below_every_measurement(tmp):
         ["perf.memory_budget_gib = 16", f"{smallest.card_gib} GiB cap", smallest.recipe, f"{smallest.peak_gib:.1f}"]
 
 
+def _case_replicated_base_of_a_full_fine_tune(tmp):
+    return ["--set", "perf.replicate_frozen_base=true", "--set", 'train.finetune="full"'], \
+        ["perf.replicate_frozen_base", "train.finetune is 'full'"]
+
+
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "missing FLUX folder": _case_missing_flux_folder,
@@ -207,6 +212,7 @@ CASES = {
     "Flow-GRPO noise level of 0": _case_grpo_noise_level_zero,
     "recipe over its memory budget": _case_recipe_over_its_memory_budget,
     "memory budget below every measurement": _case_memory_budget_below_every_measurement,
+    "a whole frozen base without one": _case_replicated_base_of_a_full_fine_tune,
 }
 
 

@@ -114,3 +114,13 @@ def test_resume_with_another_learning_rate_is_refused(tiny_run, tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "optim.lr" in lines[0], r.stderr
     assert open(os.path.join(run_dir, "run.h5"), "rb").read() == before
+
+
+def test_a_resume_that_keeps_the_frozen_base_whole_on_every_rank_ends_with_the_same_bits(tiny_run, tmp_path):
+    """perf.replicate_frozen_base changes where the base lives, not a bit: switched on by the resume
+    of a run that sharded it (and so allowed to change on resume), the run ends as the shared one."""
+    run_dir = copy_run(tiny_run, str(tmp_path / "replicated"), keep_checkpoints_through=1)
+    out = hpcnft("run", "tiny", "--steps", STEPS, "--run-dir", run_dir, *TINY_ARGS,
+                 "--set", "perf.replicate_frozen_base=true").stdout
+    assert "hpcnft: resuming after step 1 from checkpoint" in out
+    assert_same_metrics(tiny_run.run_dir, run_dir)
