@@ -103,8 +103,8 @@ class Sampler(threading.Thread):
         return {"host_rss_gib": gib(self.rss), "gpu_gib": gib(self.gpu)}
 
 
-def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0, first_step: int = 1) -> dict:
-    """One `hpcnft run`; its lines timed; SIGUSR2 to the command when step `preempt_at` is printed."""
+def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0) -> dict:
+    """One `hpcnft run`; its lines timed; SIGUSR2 to the command once step `preempt_at - 1` is printed."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             start_new_session=True)
@@ -120,12 +120,15 @@ def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0, fi
         m = re.match(r"step (\d+)/(\d+)", line)
         if m:
             marks.setdefault(f"step_{m.group(1)}_s", now)
-            if int(m.group(1)) == first_step:
-                marks.setdefault("first_step_s", now)
-            # signalled as step preempt_at begins: that step ends with the preemption's checkpoint
+            marks.setdefault("first_step_s", now)  # a resume's first step is the one after its checkpoint
+            # signalled as step preempt_at begins: that step (or, if the ranks agree on the flag
+            # before the signal lands, the one before) ends with the preemption's checkpoint
             if preempt_at and int(m.group(1)) == preempt_at - 1 and "signalled_s" not in marks:
                 os.kill(proc.pid, signal.SIGUSR2)
                 marks["signalled_s"] = now
+        stopped = re.search(r"preempted at step (\d+)", line)
+        if stopped:
+            marks["preempted_at"] = int(stopped.group(1))
     rc = proc.wait()
     sampler.stop.set()
     sampler.join(5)
@@ -208,7 +211,7 @@ def main() -> int:
                                                     *flags), preempt_at=args.preempt_at)
         report.put("preempted", first)
         again = run_job(report, "resumed", hpcnft("run", args.recipe, "--steps", str(args.steps), "--run-dir", cut,
-                                                  *flags), first_step=args.preempt_at + 1)
+                                                  *flags))
         report.put("resumed", {**again, **(run_facts(cut) if again["rc"] == 0 else {})})
         cmp = subprocess.run(hpcnft("compare", full, cut), capture_output=True, text=True, cwd=REPO)
         report.put("compare", {"rc": cmp.returncode, "out": (cmp.stdout + cmp.stderr)[-2000:]})

@@ -1,0 +1,40 @@
+"""tools/real_scale_job.py, the measurement of a whole job, tried on the tiny models on the CPU
+(`--cpu`): the folders it is pointed at, an uninterrupted run, a run preempted and resumed, the
+comparison, the export loaded into diffusers, and the memory each rank held."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_tool_measures_a_run_its_preemption_resume_comparison_and_export(tiny_models, tmp_path):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    os.symlink(tiny_models[0], weights / "sd35m")
+    os.symlink(tiny_models[1], weights / "pickscore")
+    out = tmp_path / "out" / "job.json"
+    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "real_scale_job.py"), "--model", "sd35m",
+                        "--recipe", "tiny", "--weights", str(weights), "--runs", str(tmp_path / "runs"), "--out",
+                        str(out), "--steps", "4", "--preempt-at", "3", "--cpu", "--phases", "make,run,resume,export",
+                        "--set", "checkpoint.every=2"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    full, cut, again = got["full"], got["preempted"], got["resumed"]
+    assert full["rc"] == 0 and cut["rc"] == 75 and again["rc"] == 0
+    assert 0 < full["loaded_s"] < full["first_step_s"] < full["step_4_s"] <= full["wall_s"]
+    assert sorted(full["parts"]["perf/iteration_s"]) == ["1", "2", "3", "4"]
+    assert [c["step"] for c in full["checkpoints"]] == [2, 4] and all(c["mib"] > 0 for c in full["checkpoints"])
+    assert sorted(full["host_rss_gib"]) == ["rank0", "rank1", "rank2"]
+    stopped = cut["preempted_at"]  # the step under way when the signal came, or the one before
+    assert stopped in (2, 3) and f"step_{stopped}_s" not in again and again["first_step_s"] == again[f"step_{stopped + 1}_s"]
+    assert got["compare"]["rc"] == 0 and got["compare"]["out"].startswith("same:")
+    assert got["export"]["rc"] == 0 and got["export"]["diffusers_load_rc"] == 0
+    assert os.path.exists(os.path.splitext(out)[0] + ".log")
