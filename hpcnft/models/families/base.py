@@ -52,7 +52,8 @@ class Family:
             raise ModelError(f"{self.dir_key}: cannot load {path!r} ({one_line(e)})") from None
         pipe.set_progress_bar_config(disable=True)
         for part in self.text_encoders(pipe):  # perf.text_encoders="offload": kept in CPU memory
-            part.to(text_encoder_device or device).requires_grad_(False).eval()
+            # whole in text_encoder_dtype: transformers keeps some modules in fp32 (T5's wo)
+            part.to(text_encoder_device or device, text_encoder_dtype).requires_grad_(False).eval()
         pipe.vae.to(device).requires_grad_(False).eval()
         pipe.transformer.requires_grad_(False).eval()
         return pipe

@@ -51,6 +51,22 @@ def test_the_transformer_stays_in_host_memory_for_the_policy_to_cast_first(tiny_
     assert not any(p.requires_grad for p in pipe.transformer.parameters()) and not pipe.transformer.training
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_text_encoders_are_read_straight_into_their_dtype_with_the_same_values(family, tiny_models, flux_dir):
+    """A GPU run's text encoders in the compute dtype from the folder, no fp32 copy first: the
+    values of the fp32 load cast, the DiT and VAE still in fp32."""
+    from hpcnft.models.families import family_named
+
+    fam, path = family_named(family), (tiny_models[0] if family == "sd3" else flux_dir)
+    half = fam.load(path, torch.float32, CPU, None, torch.float16)
+    full = fam.load(path, torch.float32, CPU)
+    for a, b in zip(fam.text_encoders(half), fam.text_encoders(full)):
+        assert {p.dtype for p in a.parameters()} == {torch.float16}
+        assert all(torch.equal(x, y.to(torch.float16)) for x, y in zip(a.parameters(), b.parameters()))
+    assert {p.dtype for p in half.transformer.parameters()} | {p.dtype for p in half.vae.parameters()} == \
+        {torch.float32}
+
+
 def test_packing_is_fluxpipelines_and_unpacking_inverts_it(flux):
     x = torch.randn(2, 16, 8, 6)
     tokens = pack(x)
