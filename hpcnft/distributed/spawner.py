@@ -22,6 +22,7 @@ FORK_SERVER_COMMAND = (sys.executable, "-m", "hpcnft.distributed.fork_server")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SPAWNER_PID_ENV = preempt.SPAWNER_PID_ENV  # set by spawn_local for its ranks
 STOP_CODES = (75, 130)  # a rank's exit after a stop signal: preempted (checkpointed), interrupted
+UNAVAILABLE_CODE = 69  # a reward term's service stayed unreachable: the steps done checkpointed, stopped
 BAD_INPUT_CODE = 2
 PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
@@ -257,8 +258,8 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                         say(f"{signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it could "
                             "checkpoint: nothing to save")
                     code = preempted_code
-                elif code in (*STOP_CODES, preempted_code):
-                    pass  # checkpointed and stopped, as a stop signal asked
+                elif code in (*STOP_CODES, preempted_code, UNAVAILABLE_CODE):
+                    pass  # checkpointed and stopped, as a stop signal asked or as rank 0 said
                 elif code == BAD_INPUT_CODE:
                     pass  # refused on bad input, which every rank meets alike: one of them said it
                 else:

@@ -73,14 +73,16 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # -- save -------------------------------------------------------------------------
-    def save(self, step: int) -> str:
-        """Collective over the train ranks: checkpoint `step`. Returns the committed
-        checkpoint's path on rank 0, "" on the other ranks."""
+    def save(self, step: int, rng_state: bytes | None = None) -> str:
+        """Collective over the train ranks: checkpoint `step`, with this rank's RNG state as it
+        is now, or `rng_state` (captured when step `step` ended: a step abandoned after it must
+        not leave its draws in the checkpoint). Returns the committed checkpoint's path on rank
+        0, "" on the other ranks."""
         is_writer = self.rank == 0
         final = ""
         try:
             tmp = checkpoint.save(self.run_dir, step, self.policy, self.optimizer, self.group, is_writer,
-                                  self.rank, determinism.capture_rng_state())
+                                  self.rank, rng_state if rng_state is not None else determinism.capture_rng_state())
             if self.peers is not None:
                 self.peers(step)  # the reward ranks' RNG states, into the same checkpoint
             self._barrier()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.algo.prompts import PromptFileError
-from hpcnft.common import determinism
+from hpcnft.common import determinism, term_warnings
 from hpcnft.algo.root_config import Config, ConfigError
 from hpcnft.distributed.config import check_layout
 from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError,
@@ -165,6 +165,7 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
              os.environ.get("NCCL_SOCKET_IFNAME") or "unset", endpoint)
     for text in notes:
         log.warning(text)
+    term_warnings.announce_to(lambda text: (log.warning(text), print_err(text)))  # a remote term's wait, said now
     try:
         plan = agree_plan(cfg, topo.rank)  # where every rank resumes, and whether run.h5 is rebuilt first
     except Exception as e:  # noqa: BLE001 - rank 0's failure, raised on every rank: said once

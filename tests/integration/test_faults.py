@@ -1,7 +1,7 @@
 """A dead rank ends the whole job, naming the rank; nothing written is lost. A dead spawner
 leaves no rank behind; a stop signal before the job began is a preemption with nothing saved; a
-remote judge that drips its answer ends the job within the term's timeout_s, naming it, and only
-that first failure reaches the terminal; Ctrl-C checkpoints and says the command that resumes."""
+remote judge that drips its answer ends the job within the term's timeout_s, naming it, in one
+line on the terminal; Ctrl-C checkpoints and says the command that resumes."""
 from __future__ import annotations
 
 import os
@@ -117,18 +117,16 @@ def test_a_judge_that_drips_its_answer_ends_the_job_within_timeout_s_naming_the_
     try:
         proc = start("run", "tiny", "--steps", "2", "--run-dir", str(tmp_path / "dripped"),
                      "--set", f"reward.terms=[{term}]")
-        out, err = proc.communicate(timeout=300)  # under layout.timeout_s (600 s), which would end it too
+        out, err = proc.communicate(timeout=300)  # under layout.timeout_s (120 s), which would end it too
     finally:
         server.stopping.set()
         server.shutdown()
         server.server_close()
-    assert proc.returncode == 1
+    # a judge that never answers in time is one that is unavailable: no retries asked for, the
+    # job stops at once, with nothing finished to keep (exit 69, not a failure of a rank)
+    assert proc.returncode == 69, out + err
     why = f"reward term 'ocr' (remote {url}): timed out: no whole answer within 2 s (timeout_s) after 1 attempt"
-    lines = err.splitlines()  # the first failure, once: the ranks that failed after it only log theirs
-    assert len(lines) == 2 and lines[0].startswith(
-        f"hpcnft: rank 2 (reward): RewardServiceError: scoring failed: RemoteRewardError: {why} (traceback in "), err
-    assert lines[1] in ("hpcnft: rank 2 (reward) failed; stopping the other ranks",
-                        "hpcnft: rank 2 (reward) failed: exit code 1; stopping the other ranks"), err
+    assert err == f"hpcnft: {why}; no step was finished: nothing to save\n", err
 
 
 def test_ctrl_c_checkpoints_says_how_to_resume_once_and_that_command_resumes_bit_for_bit(tmp_path, tiny_run):

@@ -23,7 +23,7 @@ def terms(*tables: str) -> dict:
 BEFORE = terms('kind="pickscore"', JUDGE)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7",
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=80", "retries=7", "retry_for_s=5",
                                      'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_where_and_how_patiently_a_remote_term_asks_may_change(setting):
     after = terms('kind="pickscore"', judge(setting))
