@@ -159,7 +159,8 @@ class Exchange:
             if not chunk:
                 return memoryview(body)[:got]
             try:
-                deadline += await admission.take(self.conn, len(chunk), server.busy_wait_s)  # waiting is not the client's
+                # the time it waits for room is not the client's
+                deadline += await admission.take(self.conn, len(chunk), server.busy_wait_s)
             except Busy:
                 raise Busy(got + len(chunk)) from None
             body[got:got + len(chunk)] = chunk

@@ -23,8 +23,8 @@ def terms(*tables: str) -> dict:
 BEFORE = terms('kind="pickscore"', JUDGE)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=80", "retries=7", "retry_for_s=5",
-                                     'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=80", "retries=7",
+                                     "retry_for_s=5", 'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_where_and_how_patiently_a_remote_term_asks_may_change(setting):
     after = terms('kind="pickscore"', judge(setting))
     key = f"reward.terms[1].{setting.split('=')[0]}"
