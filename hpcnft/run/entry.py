@@ -19,12 +19,13 @@ from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED,
                                   one_line)
 from hpcnft.distributed import groups, spawner
 from hpcnft.distributed.launch import LaunchInfo
-from hpcnft.distributed.preempt import PreemptFlag
+from hpcnft.distributed.preempt import OUTPUT_CLOSED, PreemptFlag
 from hpcnft.models.loading import ModelError, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
 from hpcnft.run.failures import FailureClaim
-from hpcnft.run.output import fail_line, log, log_exception, print_err, report_failure, restore_stderr, setup_logging
+from hpcnft.run.output import (fail_line, guard_output, log, log_exception, print_err, report_failure, restore_stderr,
+                               setup_logging)
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import (check_term_extras, check_trackers, default_run_dir, finished_line, lock_run_dir,
@@ -70,6 +71,7 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides=()) -> int:
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    guard_output(lambda: flag.request(OUTPUT_CLOSED))  # printing to a closed pipe stops the run, checkpointed
     if os.environ.get(spawner.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
         spawner.end_with_parent(int(os.environ[spawner.SPAWNER_PID_ENV]))
     try:

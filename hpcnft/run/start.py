@@ -37,6 +37,9 @@ def start(recipe: str, overrides: list[str], run_dir: str | None, steps: int | N
     except (ConfigError, LaunchError) as e:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
+        from hpcnft.run.output_guard import guard_std_streams
+
+        guard_std_streams()  # a closed output stops the spawner's printing, never the spawner; its ranks stop
         collector.settle()
         return spawn_job(cfg, recipe, overrides, steps)
     from hpcnft.run.entry import rank_main

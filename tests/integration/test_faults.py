@@ -154,3 +154,25 @@ def test_ctrl_c_checkpoints_says_how_to_resume_once_and_that_command_resumes_bit
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and f"hpcnft: resuming after step {step} from" in again.stdout, again.stderr
     assert_same_metrics(tiny_run.run_dir, run_dir)
+
+
+def test_a_run_whose_output_reader_dies_checkpoints_its_step_and_stops(tmp_path):
+    """`hpcnft run ... | cat` and the reader killed (a pager quit, a terminal that hung up): rank
+    0's next progress line meets a closed pipe. It stops printing, the ranks checkpoint the step
+    under way and stop as on SIGHUP (exit 75, not requeued); nothing dies of BrokenPipeError."""
+    run_dir = str(tmp_path / "piped")
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", "20", "--run-dir", run_dir],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        wait_for_line(proc, "step 1/20")
+        proc.stdout.close()  # the reader goes
+        code = proc.wait(timeout=300)
+        err.seek(0)
+        said = err.read()
+    assert code == 75, said
+    assert "Traceback" not in said and "BrokenPipe" not in said and "Exception ignored" not in said, said
+    stops = [e for e in read_run(run_dir).events if e["kind"] == "signal"]
+    assert len(stops) == 1 and stops[0]["text"].startswith("its output was closed: checkpointed step "), stops
+    step = stops[0]["step"]
+    assert 2 <= step < 20 and os.path.isdir(os.path.join(run_dir, "checkpoints", f"step_{step:06d}"))
+    assert read_run(run_dir).metrics["train/nft_loss"][:, 0].tolist() == [float(s) for s in range(1, step + 1)]
