@@ -29,7 +29,7 @@ from hpcnft.run.output import (fail_line, guard_output, log, log_exception, prin
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import (check_term_extras, check_trackers, default_run_dir, finished_line, lock_run_dir,
-                               resume_command, tiny_models_needed)
+                               resume_command, resume_line, tiny_models_needed)
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -190,6 +190,8 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
         return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - one line out, the traceback in the rank's log
         report_failure(topo, cfg.run_dir, e, f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
+        if topo.rank == 0 and os.environ.get("HPCNFT_LAUNCHER") != "local":  # the local spawner says it last
+            print_err(resume_line(cfg.run_dir, resume))
         return EXIT_FAILED
     groups.teardown()
     return code

@@ -34,6 +34,9 @@ def test_killing_a_rank_ends_the_job_naming_it(tmp_path, victim, role):
     out, err = proc.communicate(timeout=120)  # a job that outlives its dead rank is a hang
     assert proc.returncode != 0
     assert f"rank {victim} ({role}) failed: killed by SIGKILL" in err
+    # last, how to go on (no checkpoint yet at step 2: tiny's come every 5 steps)
+    assert err.splitlines()[-1] == f"hpcnft: no checkpoint was written: `hpcnft run tiny --run-dir {run_dir} " \
+                                   "--steps 20` starts the run over", err
     run = read_run(run_dir)  # readable, and every row written before the fault is still there
     assert run.metrics["train/nft_loss"].shape[0] >= rows_before
     assert run.metrics["train/nft_loss"][:, 0].tolist()[:2] == [1.0, 2.0]
