@@ -20,7 +20,9 @@ from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
 
-OUTAGE_S = 5  # the restart's own start (torch, the tiny PickScore) comes on top; docs/hardening.md says what 30 s did
+# The restart's own start (torch, the tiny PickScore) comes on top. HPCNFT_TEST_OUTAGE_S=30 is
+# the outage (docs/hardening.md says how it went): 60 s more than the slow tier needs.
+OUTAGE_S = float(os.environ.get("HPCNFT_TEST_OUTAGE_S", "5"))
 
 
 def free_port() -> int:
