@@ -89,9 +89,12 @@ def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str])
     """samples/step_<k>.png: a column per prompt, headed by its text."""
     from PIL import Image
 
-    os.makedirs(os.path.join(run_dir, "samples"), mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
-    Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
+    except OSError as e:  # a write's own error names no file (a full disk: "[Errno 28]")
+        raise OSError(e.errno, f"{path}: cannot write the sample grid ({e.strerror or e})") from None
     return path
 
 

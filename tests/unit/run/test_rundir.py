@@ -75,3 +75,22 @@ def test_after_a_failure_the_line_says_the_command_and_the_checkpoint_it_resumes
             open(os.path.join(run_dir, "checkpoints", name, "COMPLETE"), "w").close()
     assert last_checkpoint_step(run_dir) == 10  # committed ones only
     assert resume_line(run_dir, command) == f"`{command}` resumes it from checkpoint step 10"
+
+
+def test_a_sample_grid_that_cannot_be_written_names_its_path(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    from PIL import Image
+
+    from hpcnft.run.output import save_grid
+
+    def full(self, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    with pytest.raises(OSError) as e:
+        save_grid(str(tmp_path), 5, torch.zeros(2, 8, 8, 3, dtype=torch.uint8), ["a cat", "a dog"])
+    path = os.path.join(str(tmp_path), "samples", "step_000005.png")
+    assert e.value.errno == errno.ENOSPC and str(e.value) == (f"[Errno 28] {path}: cannot write the sample grid "
+                                                              "(No space left on device)")
