@@ -15,7 +15,7 @@ from hpcnft.cli.reward_server import required_token, served_terms, server_limits
 from hpcnft.rewards import http_server
 
 TERMS = 'reward.terms=[{kind="pickscore", name="ps", model_dir="/models/ps"}, {kind="remote", name="ocr", ' \
-        'url="http://h:1/v1/score/ocr"}]'
+        'url="http://h:1/v1/score/ocr", retry_for_s=30}]'
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
