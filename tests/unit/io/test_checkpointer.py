@@ -196,7 +196,8 @@ def test_a_reward_ranks_rng_file_that_cannot_be_written_names_the_file(tmp_path,
     with pytest.raises(checkpoint.CheckpointError) as e:
         snapshot_rank_rng(run_dir, 3, 2)
     path = checkpoint.rng_path(checkpoint.partial_dir(run_dir, 3), 2)
-    assert str(e.value).startswith(f"{path}: cannot write the checkpoint (") and "No space left on device" in str(e.value)
+    assert str(e.value).startswith(f"{path}: cannot write the checkpoint (")
+    assert "No space left on device" in str(e.value)
 
 
 def test_with_the_rng_it_ended_with_a_step_abandoned_after_it_is_not_in_the_checkpoint(tmp_path):
