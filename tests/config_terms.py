@@ -1,11 +1,12 @@
 """Reward terms for config tests: a remote judge whose operational settings (url, timeout_s,
-retries, token_env) a resume may change, and configs made of term tables as `--set reward.terms=[...]`
-gives them."""
+retry_for_s, retries, token_env) a resume may change, and configs made of term tables as
+`--set reward.terms=[...]` gives them."""
 from __future__ import annotations
 
 from hpcnft.algo.root_config import Config, load_config
 
-JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr"'
+# retry_for_s within the tiny recipe's layout.timeout_s (120 s)
+JUDGE = 'kind="remote", name="ocr", url="http://judge:8000/v1/score/ocr", retry_for_s=30.0'
 
 
 def judge(setting: str = "") -> str:

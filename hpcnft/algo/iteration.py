@@ -19,7 +19,7 @@ from hpcnft.algo.root_config import Config
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, grid_sample_ids, initial_noise
 from hpcnft.algo.solvers import sample
 from hpcnft.distributed.groups import Topology
-from hpcnft.distributed.reward_service import EVAL, ROLLOUT
+from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RewardOutage
 from hpcnft.models.families import family_of
 from hpcnft.perf.mfu import matmul_ceiling, mfu, span
 
@@ -124,10 +124,32 @@ class Learner:
                 kept.append(keep)
         t1 = time.perf_counter()
         with span("rollout/reward_collect"):
-            scores = torch.cat([self.client.collect(p) for p in pending])
+            scores = torch.cat(self.collect_all(pending))
         t2 = time.perf_counter()
         return Rollout(torch.cat(x0s), torch.cat(pes), torch.cat(pools), torch.cat(imgs),
                        training_reward(scores, cfg), scores, t1 - t0, t2 - t1, kept)
+
+    def collect_all(self, pending: list) -> list[torch.Tensor]:
+        """The scores of every pending chunk. Where a reward term's service stayed unreachable
+        (RewardOutage) on any train rank, every train rank raises it here, at the same point,
+        before the collectives that would follow: together they checkpoint what they finished.
+        Every chunk is collected first, so the reward traffic stays in step."""
+        scores, outage = [], None
+        for p in pending:
+            try:
+                scores.append(self.client.collect(p))
+            except RewardOutage as e:
+                outage = outage or e
+        if self.group is not None:
+            flag = torch.tensor([float(outage is not None)], device=self.topo.comm_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if flag.item():  # every rank gives the same reason: the first rank's that had one
+                reasons: list = [None] * len(self.topo.train_ranks)
+                dist.all_gather_object(reasons, str(outage) if outage else "", group=self.group)
+                outage = RewardOutage(next(r for r in reasons if r))
+        if outage is not None:
+            raise outage
+        return scores
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All train ranks' values, in global sample order."""
@@ -221,7 +243,8 @@ class Learner:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
                                              cfg.perf.vae_decode_batch)
                     pending.append((real, self.client.submit(EVAL, 0, images, real)))
-        local = [(i, row) for ids, p in pending for i, row in zip(ids, self.client.collect(p).tolist())]
+        collected = self.collect_all([p for _, p in pending])
+        local = [(i, row) for (ids, _), got in zip(pending, collected) for i, row in zip(ids, got.tolist())]
         everyone = [None] * len(self.topo.train_ranks) if self.group is not None else None
         if self.group is not None:
             dist.all_gather_object(everyone, local, group=self.group)

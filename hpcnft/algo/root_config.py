@@ -118,9 +118,21 @@ class Config:
         if self.perf.replicate_frozen_base and self.perf.fsdp_cpu_offload:
             raise ConfigError("perf.replicate_frozen_base: keeps the frozen base whole on the GPU, which "
                               "perf.fsdp_cpu_offload moves to CPU memory; set one of them to false")
+        self.check_remote_wait()
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
+
+    def check_remote_wait(self) -> None:
+        """A remote term's wait for its server must end before the train ranks stop waiting for
+        the chunk's scores (layout.timeout_s), so that the job, not a timeout, decides the end."""
+        wait = self.reward.remote_wait_s()
+        if wait and wait >= self.layout.timeout_s:
+            remote = [i for i, t in enumerate(self.reward.terms) if t.kind == "remote"]
+            key = f"reward.terms[{remote[0]}].retry_for_s" if len(remote) == 1 else "reward.terms[].retry_for_s"
+            raise ConfigError(f"{key}: the remote terms may take {wait:g} s over a chunk (timeout_s + retry_for_s), "
+                              f"not less than layout.timeout_s ({self.layout.timeout_s:g} s), which the train ranks "
+                              "wait for its scores: lower retry_for_s or raise layout.timeout_s")
 
     def check_fp8_storage(self) -> None:
         """perf.base_fp8_storage stores a frozen base: refused for a full fine-tune and beside the

@@ -4,8 +4,9 @@ reward terms over HTTP (hpcnft/rewards/http_protocol.py) for `remote` terms of o
 A TERM is the name of a term in the recipe's reward.terms, or a bare kind (pickscore,
 jpeg_compressibility, ...) with its default settings, the tiny model where the kind has one.
 The terms score as a reward rank of the recipe would: same determinism settings, same CPU
-thread count. `--max-requests`, `--max-connections`, `--max-body-mib` and `--request-deadline-s`
-bound what clients may cost the server (hpcnft/rewards/http_server.py). With a shared secret
+thread count. `--max-requests`, `--max-connections`, `--max-per-address`, `--max-body-mib`,
+`--head-deadline-s` and `--min-body-kib-s` bound what clients may cost the server
+(hpcnft/rewards/http_server.py). With a shared secret
 (`--token-file`, or $HPCNFT_REWARD_TOKEN) clients must send it; listening beyond loopback
 without one is refused, before any model loads, unless `--insecure-no-token`. SIGINT or SIGTERM
 stops the server; the exit code is then 0."""
@@ -25,7 +26,9 @@ from hpcnft.rewards.shared_secret import TokenError, listening_refusal, server_t
 
 SERVED_KINDS = tuple(k for k in TERM_KINDS if k != "remote")
 # ScoringServer's defaults, repeated so that --help does not import torch
-MAX_REQUESTS, MAX_CONNECTIONS, MAX_BODY_MIB, REQUEST_DEADLINE_S = 8, 64, 2048, 120.0
+MAX_REQUESTS, MAX_CONNECTIONS, MAX_PER_ADDRESS, MAX_BODY_MIB = 8, 256, 32, 2048
+HEAD_DEADLINE_S, MIN_BODY_KIB_S = 10.0, 1024
+SPARE_DESCRIPTORS = 128  # beyond one per connection: the listener, models' files, a burst being accepted
 
 
 def whole_number(text: str) -> int:
@@ -68,14 +71,20 @@ def add_arguments(name: str, p) -> None:
                    help=f"requests admitted at once, scored one at a time (default {MAX_REQUESTS}); more are "
                         "answered 503 with Retry-After")
     p.add_argument("--max-connections", type=whole_number, default=MAX_CONNECTIONS, metavar="N",
-                   help=f"connections open at once, a thread each (default {MAX_CONNECTIONS}, at least "
-                        "--max-requests); more are answered 503 with Retry-After and closed")
+                   help=f"connections open at once (default {MAX_CONNECTIONS}, at least --max-requests); one more "
+                        "closes the oldest that has not sent its request, else it is answered 503 with Retry-After")
+    p.add_argument("--max-per-address", type=whole_number, default=MAX_PER_ADDRESS, metavar="N",
+                   help=f"connections open at once from one address (default {MAX_PER_ADDRESS}); one more closes "
+                        "that address's oldest that has not sent its request, else it is answered 503")
     p.add_argument("--max-body-mib", type=whole_number, default=MAX_BODY_MIB, metavar="MIB",
                    help=f"MiB of request bodies held at once (default {MAX_BODY_MIB}); a request that does not fit "
                         "is answered 503 with Retry-After, one larger than this 413")
-    p.add_argument("--request-deadline-s", type=seconds, default=REQUEST_DEADLINE_S, metavar="S",
-                   help=f"seconds for a request's line, headers and body to arrive (default {REQUEST_DEADLINE_S:g}); "
-                        "past it the connection is closed")
+    p.add_argument("--head-deadline-s", type=seconds, default=HEAD_DEADLINE_S, metavar="S",
+                   help=f"seconds for a request's line and headers to arrive (default {HEAD_DEADLINE_S:g}); past it "
+                        "the connection is closed")
+    p.add_argument("--min-body-kib-s", type=whole_number, default=MIN_BODY_KIB_S, metavar="R",
+                   help=f"the slowest pace of a body, KiB a second (default {MIN_BODY_KIB_S}): byte k must arrive "
+                        "within --head-deadline-s + k/R seconds of the head, or the connection is closed")
     p.add_argument("--token-file", metavar="PATH",
                    help="a file (chmod 600) whose first line is the shared secret clients must send "
                         f"(Authorization: Bearer); without it, ${REWARD_TOKEN_ENV} if set. A --host beyond "
@@ -91,7 +100,27 @@ def server_limits(args) -> dict:
         raise UsageError(f"--max-connections {args.max_connections} is less than --max-requests {args.max_requests}: "
                          "each admitted request holds a connection")
     return {"max_requests": args.max_requests, "max_connections": args.max_connections,
-            "body_budget_bytes": args.max_body_mib << 20, "request_deadline_s": args.request_deadline_s}
+            "max_per_address": args.max_per_address, "body_budget_bytes": args.max_body_mib << 20,
+            "head_deadline_s": args.head_deadline_s, "min_body_rate": args.min_body_kib_s * 1024}
+
+
+def descriptors_for(connections: int) -> None:
+    """Raise this process's open-file limit to what `connections` need, up to the hard limit;
+    UsageError (before any model loads) where the hard limit is lower."""
+    import resource
+
+    need = connections + SPARE_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise UsageError(f"--max-connections {connections} needs {need} open files, and this process may "
+                             f"open at most {hard} (ulimit -Hn): lower --max-connections")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def url_host(host: str) -> str:
+    """A host as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def required_token(args, environ=os.environ) -> str | None:
@@ -178,6 +207,7 @@ def main(name: str, args) -> int:
     from hpcnft.rewards.http_server import ScoringServer
 
     limits = server_limits(args)
+    descriptors_for(args.max_connections)
     token = required_token(args)  # before any model loads
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -193,7 +223,7 @@ def main(name: str, args) -> int:
     try:
         server = ScoringServer((args.host, args.port), loaded, token=token, **limits)
     except OSError as e:
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise UsageError(f"cannot listen on {url_host(args.host)}:{args.port}: {e.strerror or e}") from None
 
     def stop(signum, frame) -> None:
         # shutdown() waits for serve_forever to return, so it cannot run in the loop's own thread.
@@ -202,10 +232,10 @@ def main(name: str, args) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
     with server:
-        print(f"serving {', '.join(loaded)} on http://{args.host}:{server.port}", flush=True)
+        print(f"serving {', '.join(loaded)} on http://{url_host(args.host)}:{server.port}", flush=True)
         if token is None and listening_refusal(args.host, None, False):
             print(f"hpcnft reward-server: warning: no shared secret (--insecure-no-token): anyone who reaches "
-                  f"{args.host}:{server.port} may use this server", file=sys.stderr, flush=True)
+                  f"{url_host(args.host)}:{server.port} may use this server", file=sys.stderr, flush=True)
         if args.port_file:
             try:
                 write_port_file(args.port_file, server.port)

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 # A rank's and the command's exit codes; 75 (EX_TEMPFAIL) tells Slurm and submitit to requeue;
-# 130 (128 + SIGINT, as shells report Ctrl-C): interrupted by the user, checkpointed, not requeued.
+# 130 (128 + SIGINT, as shells report Ctrl-C): interrupted by the user, checkpointed, not requeued;
+# 69 (EX_UNAVAILABLE): a service the job needs (a remote reward term's server) stayed unreachable
+# past its wait, the steps done checkpointed, not requeued.
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 75, 130
+EXIT_UNAVAILABLE = 69
 
 
 class UsageError(Exception):
@@ -12,6 +15,11 @@ class UsageError(Exception):
 
 class ConfigError(ValueError):
     """A config problem, phrased for the user in one line."""
+
+
+class OutageError(RuntimeError):
+    """A service the job needs stayed unreachable for as long as it was configured to wait (one
+    line): the job stops with a checkpoint of the steps it finished, rather than failing."""
 
 
 def first_line(e: BaseException, default: str = "") -> str:

@@ -6,12 +6,17 @@ them on: the reward service sends them to the train rank with the chunk's scores
 them into run.h5 as warning events (and says them on the terminal), `hpcnft score` and
 `hpcnft reward-server` print them. Outside `collected()` a warning goes to the `hpcnft` logger.
 A collection belongs to the context (thread) that opened it: a scoring worker thread collects
-its own chunk's warnings only."""
+its own chunk's warnings only.
+
+A term that must say something while it scores, not after (a remote term waiting for its
+server), calls `announce(text)`: the line goes at once to where the process shows the user
+its lines (`announce_to`: a rank's terminal and log), else to stderr."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import logging
+import sys
 
 MAX_CHARS = 300  # of one warning: a few of them fit in one reply of the reward service
 
@@ -38,3 +43,21 @@ def collected():
         yield found
     finally:
         _found.reset(token)
+
+
+_announced = None  # where announce() sends a line: set by the process (announce_to), else stderr
+
+
+def announce_to(sink) -> None:
+    """Send announce()'s lines to `sink(text)` from now on (None: stderr)."""
+    global _announced
+    _announced = sink
+
+
+def announce(text: str) -> None:
+    """A line the user should read now, not with the chunk's scores (one line)."""
+    text = " ".join(text.split())
+    if _announced is not None:
+        _announced(text)
+    else:
+        print(f"hpcnft: {text}", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 
 STOP_SIGNAL = "SIGHUP"  # the spawner died, or the terminal hung up: checkpoint and stop, no requeue
+OUTPUT_CLOSED = "its output was closed"  # a write to a pipe with no reader (run.output_guard): the same
 INTERRUPT_SIGNAL = "SIGINT"  # Ctrl-C: checkpoint and stop, no requeue, exit 130
 EARLY_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SPAWNER_PID_ENV = "HPCNFT_SPAWNER_PID"  # set by the local spawner (groups.spawn_local) for its ranks
@@ -87,6 +88,13 @@ class PreemptFlag:
         for signum in self.signals:
             signal.signal(signum, signal.SIG_IGN)
 
+    def request(self, reason: str) -> None:
+        """A stop asked for by the rank itself (`reason`, e.g. OUTPUT_CLOSED), as SIGHUP asks one."""
+        if self.requested:
+            return
+        self.signal_name, self.requested = reason, True
+        self.log.warning("%s: will checkpoint and stop at the end of this iteration", reason)
+
     def _handler(self, signum, _frame) -> None:
         if self.requested:
             return
@@ -107,6 +115,8 @@ def leave_requeue_to_slurm(received: str, preempt_signal: str) -> str | None:
         return f"{INTERRUPT_SIGNAL}: interrupted by the user; not requeued"
     if received == STOP_SIGNAL and preempt_signal != STOP_SIGNAL:
         return f"{STOP_SIGNAL}: the process that started the ranks, or their terminal, is gone; not requeued"
+    if received == OUTPUT_CLOSED:
+        return f"{OUTPUT_CLOSED} (nobody reads the job's output any more); not requeued"
     if received == "SIGTERM" and preempt_signal != "SIGTERM":
         return ("SIGTERM: Slurm is ending the job (scancel, scontrol requeue, time limit or preemption); "
                 "not requeued by hpcnft")

@@ -14,7 +14,10 @@ rank scores chunk j while chunk j+1 is being made. Messages:
            that the reward rank got the preemption signal. The message of a
            failure is its reason; of a success, the warnings the terms gave while scoring
            the chunk (hpcnft.common.term_warnings), one a line, which the client keeps for
-           its rank to report (`take_warnings`).
+           its rank to report (`take_warnings`). Status OUTAGE: a term's service stayed
+           unreachable past its wait (common.errors.OutageError); the reward rank answers
+           every later chunk so too, unscored, and goes on serving snapshots and the end
+           message, so that the train ranks checkpoint the steps they finished and stop.
 
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
@@ -39,12 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft.common.errors import first_line
+from hpcnft.common.errors import OutageError, first_line
 from hpcnft.common.term_warnings import collected
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
-OK, FAILED = 0, 1
+OK, FAILED, OUTAGE = 0, 1, 2
 MSG_BYTES = 1024
 REPLY_HEADER = 5
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
@@ -54,6 +57,11 @@ log = logging.getLogger("hpcnft")
 
 class RewardServiceError(RuntimeError):
     """The other side of the reward traffic failed or sent something malformed."""
+
+
+class RewardOutage(RewardServiceError):
+    """A reward term's service stayed unreachable past its wait (the term's line): the chunk was
+    not scored, and the train ranks stop with a checkpoint of the steps they finished."""
 
 
 def _encode_msg(text: str) -> torch.Tensor:
@@ -154,6 +162,8 @@ class RemoteRewardClient:
     def collect(self, p: Pending) -> torch.Tensor:
         _wait(p.works, self.timeout_s, f"scores from reward rank {p.reward_rank}")
         status = int(p.header[0].item())
+        if status == OUTAGE:
+            raise RewardOutage(_decode_msg(p.msg))
         if status != OK:
             raise RewardServiceError(f"reward rank {p.reward_rank} failed: {_decode_msg(p.msg)}")
         self.server_busy_s, self.server_idle_s = p.header[2].item() / 1e6, p.header[3].item() / 1e6
@@ -227,11 +237,19 @@ class LocalRewardClient:
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]):
         if self._pool is not None:
             return self._pool.submit(self._timed, kind, step, images, indices)
-        return self._timed(kind, step, images, indices)
+        try:
+            return self._timed(kind, step, images, indices)
+        except OutageError as e:  # said at collect, as the reward rank's client would
+            return RewardOutage(first_line(e))
 
     def collect(self, pending) -> torch.Tensor:
         if self._pool is not None:
-            return pending.result()  # re-raises the worker's exception here
+            try:
+                return pending.result()  # re-raises the worker's exception here
+            except OutageError as e:
+                raise RewardOutage(first_line(e)) from None
+        if isinstance(pending, RewardOutage):
+            raise pending
         return pending
 
     def snapshot(self, step: int) -> None:
@@ -267,13 +285,15 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
     """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
     host group `group` (None: the world group, when it is gloo already).
     `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n, columns[kind]]`. Returns
-    busy/idle seconds and whether the train ranks stopped for preemption.
+    busy/idle seconds, whether the train ranks stopped for preemption and, where a term's service
+    stayed unreachable (OUTAGE), its line.
     `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's
     ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told;
     `on_failure()` runs first, before the train rank hears of it (the failure claim)."""
     active = list(clients)
     busy = idle = 0.0
     preempted = False
+    outage = ""  # a term's service stayed unreachable: every later chunk is answered so, unscored
     last = time.monotonic()
 
     def recv(t: torch.Tensor, src: int) -> torch.Tensor:
@@ -309,6 +329,10 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
         else:
             images = recv(torch.empty((n, height, width, 3), dtype=torch.uint8), ready)
             idx = recv(torch.empty(n, dtype=torch.int64), ready)
+            if outage:
+                reply(ready, OUTAGE, n, torch.zeros((n, columns[kind])), _encode_msg(outage))
+                last = time.monotonic()
+                continue
             try:
                 with collected() as found:
                     scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu().contiguous()
@@ -318,12 +342,16 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                 for warning in found:
                     log.warning("step %d: %s", step, warning)
                 status, text = OK, warnings_msg(found)
+            except OutageError as e:  # the train ranks checkpoint what they finished; we serve on
+                outage = first_line(e)
+                log.warning("step %d: %s", step, outage)
+                scores, status, text = torch.zeros((n, columns[kind])), OUTAGE, outage
             except Exception as e:  # noqa: BLE001 - the train rank must hear about it, then we stop
                 on_failure()
                 scores, status, text = torch.zeros((n, columns[kind])), FAILED, f"{type(e).__name__}: {e}"
             busy += time.monotonic() - now
             reply(ready, status, n, scores, _encode_msg(text))
-            if status != OK:
+            if status == FAILED:
                 raise RewardServiceError(f"scoring failed: {text}")
         last = time.monotonic()
-    return {"busy_s": busy, "idle_s": idle, "preempted": preempted}
+    return {"busy_s": busy, "idle_s": idle, "preempted": preempted, "outage": outage}

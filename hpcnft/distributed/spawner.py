@@ -1,5 +1,5 @@
 """The local spawner: with no launcher in the environment, `hpcnft run` starts the layout's
-ranks itself, as new interpreters running `python -m hpcnft.run.rank` (or, where no rank can
+ranks itself, as new interpreters running `python -P -m hpcnft.run.rank` (or, where no rank can
 use a GPU, forked by a fork server that imported their libraries once, and adopted), passes
 signals on to them, and decides the job's exit code; and what its ranks do about it (their
 process name, their end when the spawner dies). Standard library only: no torch."""
@@ -15,13 +15,16 @@ import sys
 import time
 
 from hpcnft.distributed import preempt
+from hpcnft.distributed.interpreter import module_command, python_env
 from hpcnft.distributed.launch import LOOPBACK, MASTER_LISTEN_FD_ENV
 
-RANK_COMMAND = (sys.executable, "-m", "hpcnft.run.rank")
-FORK_SERVER_COMMAND = (sys.executable, "-m", "hpcnft.distributed.fork_server")
+# never with the working directory on their path (distributed.interpreter)
+RANK_COMMAND = module_command("hpcnft.run.rank")
+FORK_SERVER_COMMAND = module_command("hpcnft.distributed.fork_server")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SPAWNER_PID_ENV = preempt.SPAWNER_PID_ENV  # set by spawn_local for its ranks
 STOP_CODES = (75, 130)  # a rank's exit after a stop signal: preempted (checkpointed), interrupted
+UNAVAILABLE_CODE = 69  # a reward term's service stayed unreachable: the steps done checkpointed, stopped
 BAD_INPUT_CODE = 2
 PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
@@ -138,7 +141,7 @@ def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]
     reply_r, reply_w = os.pipe()
     server = subprocess.Popen([*FORK_SERVER_COMMAND, "--request-fd", str(request_r), "--reply-fd", str(reply_w),
                                "--spawner-pid", str(os.getpid())],
-                              pass_fds=(request_r, reply_w, *close_fds))
+                              pass_fds=(request_r, reply_w, *close_fds), env=python_env(os.environ))
     os.close(request_r)
     os.close(reply_w)
     with os.fdopen(request_w, "w") as requests, os.fdopen(reply_r, "r") as replies:
@@ -166,7 +169,7 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                 command: tuple[str, ...] = RANK_COMMAND,
                 rank0_fd: tuple[str, int] | None = None, fork: tuple[str, str] | None = None,
                 resume_hint: str = "", failure_claim=None) -> int:
-    """Run `python -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
+    """Run `python -P -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
     `rank0_fd` (variable name, descriptor): an open file rank 0 inherits, its number in that
@@ -190,7 +193,7 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             rank0_fds[rank0_fd[0]] = rank0_fd[1]
         envs, fds = [], []
         for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+            env = dict(python_env(os.environ), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK,
                        MASTER_PORT=str(rendezvous.getsockname()[1]),
                        HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
@@ -257,8 +260,8 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                         say(f"{signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it could "
                             "checkpoint: nothing to save")
                     code = preempted_code
-                elif code in (*STOP_CODES, preempted_code):
-                    pass  # checkpointed and stopped, as a stop signal asked
+                elif code in (*STOP_CODES, preempted_code, UNAVAILABLE_CODE):
+                    pass  # checkpointed and stopped, as a stop signal asked or as rank 0 said
                 elif code == BAD_INPUT_CODE:
                     pass  # refused on bad input, which every rank meets alike: one of them said it
                 else:

@@ -299,6 +299,18 @@ def _space_note(run_dir: str) -> str:
     return f"file system full, {free >> 10} KiB free: " if free < (1 << 20) else ""
 
 
+def write_rng(run_dir: str, step: int, rank: int, blob: bytes) -> None:
+    """Rank `rank`'s RNG file into the checkpoint of `step` being written (a reward rank's, asked
+    by the train ranks during their save); CheckpointError naming the file where it cannot be
+    written (a write's own OSError names no file)."""
+    path = rng_path(partial_dir(run_dir, step), rank)
+    try:
+        with open(path, "wb") as f:
+            f.write(blob)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({_space_note(run_dir)}{_reason(e)})") from None
+
+
 def discard_partial(run_dir: str, step: int) -> None:
     """Remove what a failed checkpoint wrote (best effort); older checkpoints stay as they are."""
     shutil.rmtree(partial_dir(run_dir, step), ignore_errors=True)

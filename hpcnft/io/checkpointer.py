@@ -49,8 +49,7 @@ def restore_rank_rng(ckpt_dir: str, rank: int) -> bool:
 def snapshot_rank_rng(run_dir: str, step: int, rank: int) -> None:
     """Write this process's global RNG states as rank `rank`'s file into the checkpoint of `step`
     being written (a reward rank, asked by its train ranks during their save)."""
-    with open(checkpoint.rng_path(checkpoint.partial_dir(run_dir, step), rank), "wb") as f:
-        f.write(determinism.capture_rng_state())
+    checkpoint.write_rng(run_dir, step, rank, determinism.capture_rng_state())
 
 
 class Checkpointer:
@@ -73,14 +72,16 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     # -- save -------------------------------------------------------------------------
-    def save(self, step: int) -> str:
-        """Collective over the train ranks: checkpoint `step`. Returns the committed
-        checkpoint's path on rank 0, "" on the other ranks."""
+    def save(self, step: int, rng_state: bytes | None = None) -> str:
+        """Collective over the train ranks: checkpoint `step`, with this rank's RNG state as it
+        is now, or `rng_state` (captured when step `step` ended: a step abandoned after it must
+        not leave its draws in the checkpoint). Returns the committed checkpoint's path on rank
+        0, "" on the other ranks."""
         is_writer = self.rank == 0
         final = ""
         try:
             tmp = checkpoint.save(self.run_dir, step, self.policy, self.optimizer, self.group, is_writer,
-                                  self.rank, determinism.capture_rng_state())
+                                  self.rank, rng_state if rng_state is not None else determinism.capture_rng_state())
             if self.peers is not None:
                 self.peers(step)  # the reward ranks' RNG states, into the same checkpoint
             self._barrier()
@@ -115,7 +116,7 @@ class Checkpointer:
         path)` then; last, on rank 0, run.h5 rebuilt from the checkpoint's copy when the plan
         says it must be (before the file is opened)."""
         if plan.checkpoint is None:
-            return Resumed()
+            return Resumed(rebuilt=self._set_aside(plan) if self.rank == 0 and plan.aside_tag else "")
         step, path = plan.checkpoint
         state = checkpoint.load(path, self.policy, self.optimizer, self.group)
         if self.scaler is not None:
@@ -126,6 +127,13 @@ class Checkpointer:
             on_loaded(step, path)
         rebuilt = self._rebuild_run_file(plan, step, path) if self.rank == 0 and plan.rebuild_why else ""
         return Resumed(step, path, rebuilt)
+
+    def _set_aside(self, plan) -> str:
+        """No checkpoint to rebuild from: the unusable run.h5 is set aside (never deleted) and the
+        run starts over with a new one; the warning that says so."""
+        path = os.path.join(self.run_dir, "run.h5")
+        aside = run_state.set_aside(path, plan.aside_tag)
+        return f"{path} {plan.rebuild_why}: kept as {aside}; no checkpoint to resume from, the run starts over"
 
     def _rebuild_run_file(self, plan, step: int, ckpt: str) -> str:
         """Set the unusable run.h5 aside (never deleted) and write it anew from checkpoint

@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from hpcnft.io import run_state
+from hpcnft.io.room import NoRoom, Room
 from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_KEYS, SCHEMA, RunFileError, error_line, event_row,
                                open_swmr_reader, read_run)
 
@@ -40,21 +41,52 @@ def _clear_swmr_flags(path: str) -> None:
 
 
 def _writes(method):
-    """A failed write (full disk, read-only file system, damaged file) is a RunFileError naming
-    the file; rows written before it stay readable."""
+    """A write: refused whole where the file may not grow (io.room: free space, the file size
+    limit, the reserve a quota would leave untaken), the reserve given back for the write and
+    taken again after it; a failed write (full disk, read-only file system, damaged file) is a
+    RunFileError naming the file; rows written before it stay readable."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        self._room.release()
         try:
-            return method(self, *args, **kwargs)
-        except (RunFileError, AssertionError):
-            raise
-        except Exception as e:  # noqa: BLE001 - h5py raises OSError, RuntimeError, KeyError, ...
-            self._failed = True
-            _release_quietly(e)
-            raise RunFileError(f"{self.path}: cannot write the run file ({error_line(e)})") from None
+            _room_for(self)
+            return _named(self, method, *args, **kwargs)
+        finally:
+            try:
+                self._room.take()
+            except NoRoom:  # this write is done; the next is refused up front
+                pass
 
     return wrapper
+
+
+def _reads(method):
+    """A read of the open file: a failure is a RunFileError naming the file."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return _named(self, method, *args, **kwargs)
+
+    return wrapper
+
+
+def _named(self, method, *args, **kwargs):
+    try:
+        return method(self, *args, **kwargs)
+    except (RunFileError, AssertionError):
+        raise
+    except Exception as e:  # noqa: BLE001 - h5py raises OSError, RuntimeError, KeyError, ...
+        self._failed = True
+        _release_quietly(e)
+        raise RunFileError(f"{self.path}: cannot write the run file ({error_line(e)})") from None
+
+
+def _room_for(self, nbytes: int = 0) -> None:
+    try:
+        self._room.check(nbytes)
+    except NoRoom as e:
+        raise RunFileError(f"{self.path}: cannot write the run file ({e})") from None
 
 
 def _release_quietly(e: BaseException) -> None:
@@ -66,12 +98,11 @@ def _release_quietly(e: BaseException) -> None:
 
 
 def _check_space(path: str, nbytes: int) -> None:
-    """HDF5 can crash rather than fail when a flush that creates objects meets a full disk:
-    refuse such a change unless twice its size and 256 KiB are free."""
-    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
-    free = st.f_bavail * st.f_frsize
-    if free < 2 * nbytes + (256 << 10):
-        raise RunFileError(f"{path}: cannot write the run file (only {free >> 10} KiB free on its file system)")
+    """Another file's room (a checkpoint's copy of the run file): io.room's checks, no reserve."""
+    try:
+        Room(path, reserve=False).check(nbytes)
+    except NoRoom as e:
+        raise RunFileError(f"{path}: cannot write the run file ({e})") from None
 
 
 class RunFileWriter:
@@ -85,14 +116,16 @@ class RunFileWriter:
         self.keys = ALL_KEYS + [k for k in extra_keys if k not in ALL_KEYS]  # the reward terms' keys
         self._f = None
         self._failed = False
+        self._room = Room(path)
         try:
+            _room_for(self)
+            self._room.take()  # a quota with no room left is found before the file is touched
+            self._room.release()
             if os.path.lexists(path):
                 read_run(path)  # RunFileError for anything but a readable run file of this schema
-                _check_space(path, 0)
                 self._f = self._open_existing()
                 self._f.attrs["config"] = config_json
             else:
-                _check_space(path, 0)
                 self._f = h5py.File(path, "w", libver="latest")
                 self._f.attrs["schema"] = SCHEMA
                 self._f.attrs["hpcnft_version"] = version
@@ -103,6 +136,7 @@ class RunFileWriter:
             self._ensure_structure()
             self._f.flush()
             self._f.swmr_mode = True
+            self._room.take()  # held until the next write
         except Exception as e:  # noqa: BLE001
             if self._f is not None:
                 try:
@@ -111,6 +145,8 @@ class RunFileWriter:
                     pass
             if isinstance(e, RunFileError):
                 raise
+            if isinstance(e, NoRoom):
+                raise RunFileError(f"{path}: cannot open the run file for writing ({e})") from None
             _release_quietly(e)
             raise RunFileError(f"{path}: cannot open the run file for writing ({error_line(e)})") from None
 
@@ -136,7 +172,7 @@ class RunFileWriter:
 
     # -- structural changes (leave SWMR briefly) ---------------------------------------
     def _restructure(self, nbytes: int = 0):
-        _check_space(self.path, nbytes)
+        _room_for(self, nbytes)
         self._f.flush()
         self._f.close()
         for attempt in range(50):  # a reader that took a lock (h5dump, say) holds it briefly
@@ -248,7 +284,7 @@ class RunFileWriter:
         self._f.flush()
         return dropped
 
-    @_writes
+    @_reads
     def rows_between(self, after: int, through: int) -> dict[int, dict[str, float]]:
         """{step: {key: value}} of the rows with after < step <= through."""
         out: dict[int, dict[str, float]] = {}
@@ -258,7 +294,7 @@ class RunFileWriter:
                     out.setdefault(int(step), {})[key] = value
         return dict(sorted(out.items()))
 
-    @_writes
+    @_reads
     def last_step(self) -> int:
         last = 0
         for key in LOSS_KEYS:  # the algorithm's loss: DiffusionNFT's or Flow-GRPO's
@@ -268,6 +304,7 @@ class RunFileWriter:
         return last
 
     def close(self) -> None:
+        self._room.release()  # room for the last flush; no reserve is left behind
         if self._f is None or not self._f.id.valid:
             return
         try:

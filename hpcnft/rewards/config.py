@@ -52,7 +52,12 @@ class RewardTermConfig:
     weights: str = setting("", "a checkpoint file the kind needs beside its folder (hpsv2, aesthetic)")
     url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)")
     timeout_s: float = setting(60.0, "remote: seconds to wait for a reply; may change on resume, with a warning")
-    retries: int = setting(2, "remote: how often a failed request is retried; may change on resume, with a warning")
+    retry_for_s: float = setting(
+        300.0, "remote: seconds a request keeps retrying a server that is down, restarting or busy (backoff with "
+        "jitter) before the job stops with a checkpoint of the steps done (exit 69); with `timeout_s`, less than "
+        "`layout.timeout_s`; may change on resume, with a warning")
+    retries: int = setting(-1, "remote: the most retries of a request within `retry_for_s` (-1: no such limit); may "
+                               "change on resume, with a warning")
     token_env: str = setting(
         REWARD_TOKEN_ENV, "remote: the environment variable (`HPCNFT_...`) holding the server's shared secret; "
         "\"\": send none")
@@ -82,8 +87,10 @@ class RewardConfig:
                 raise ConfigError(f"{key}.weight: must be a finite number, got {t.weight!r}")
             if not (math.isfinite(t.timeout_s) and t.timeout_s > 0):
                 raise ConfigError(f"{key}.timeout_s: must be > 0, got {t.timeout_s!r}")
-            if t.retries < 0:
-                raise ConfigError(f"{key}.retries: must be >= 0, got {t.retries!r}")
+            if not (math.isfinite(t.retry_for_s) and t.retry_for_s >= 0):
+                raise ConfigError(f"{key}.retry_for_s: must be a number of seconds >= 0, got {t.retry_for_s!r}")
+            if t.retries < -1:
+                raise ConfigError(f"{key}.retries: must be >= 0, or -1 for no limit, got {t.retries!r}")
             if t.token_env and not TOKEN_ENV.fullmatch(t.token_env):
                 raise ConfigError(f"{key}.token_env: {t.token_env!r} must name an environment variable HPCNFT_... "
                                   "(upper-case letters, digits and _), or be \"\" to send no token")
@@ -95,6 +102,12 @@ class RewardConfig:
                                       f"(hpcnft[{EXTRAS[t.kind][0]}]); leave it empty")
         if self.terms and all(t.eval_only for t in self.terms):
             raise ConfigError("reward.terms: every term is eval_only, nothing would be trained on")
+
+    def remote_wait_s(self) -> float:
+        """The longest the remote terms may take over one chunk: each one's attempt, and its
+        retries where it has any."""
+        return sum(t.timeout_s + (t.retry_for_s if t.retries != 0 else 0.0)
+                   for t in self.terms if t.kind == "remote")
 
     def check_prompts(self, train: list[str], evaluation: list[str]) -> None:
         """ConfigError (one line) where a term could not score a prompt it will get: an `ocr`

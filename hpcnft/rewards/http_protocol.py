@@ -4,7 +4,7 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
   POST <url>                   the term's scoring endpoint, e.g. http://host:8000/v1/score/ocr
        Content-Type: application/x-npz
        Authorization: Bearer <token>   (where the server requires a shared secret)
-       body: an uncompressed .npz (numpy.savez) holding exactly two arrays:
+       body: an uncompressed .npz (numpy.savez) holding exactly two arrays, in C order:
          images   uint8 [n, H, W, 3]          (1 <= n <= 4096, 1 <= H, W <= 8192,
                                                 n*H*W*3 <= 1 GiB)
          prompts  numpy unicode array [n]     (prompts[i] is scored against images[i];
@@ -20,15 +20,17 @@ or any server that speaks it: GenEval, OCR or VLM judges in their own environmen
   GET  /v1/health  ->  200 {"terms": [the names served], ...: a server may add its load}
        (with the same Authorization where the server requires a shared secret)
 
-Nothing is ever unpickled: the server reads each array as np.load(allow_pickle=False) does,
-after checking its npy header (dtype, shape, size) against the bounds above, so a request can
-neither run code nor make the server allocate more than its body holds."""
+Nothing is ever unpickled: the server checks each array's npy header (dtype, shape, size, C
+order) against the bounds above and then views the array in the body's own bytes, so a request
+can neither run code nor make the server allocate more than its body holds."""
 from __future__ import annotations
 
 import io
 import json
 import math
+import struct
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -72,38 +74,88 @@ def _check_prompts_header(shape: tuple, dtype: np.dtype) -> None:
 
 CHECKS = {"images": _check_images_header, "prompts": _check_prompts_header}
 HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+NPY_HEADER_PEEK = 16 + 10000  # the magic, the header's length and numpy's largest header it reads
+LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip member's local header: signature, ..., name and extra lengths
 
 
-def _read_array(archive: zipfile.ZipFile, name: str) -> np.ndarray:
-    """One stored (uncompressed) member as an array: header checked first, then the data read
-    with pickles refused."""
+class _BufferFile(io.RawIOBase):
+    """A read-only file over a buffer (bytes, an mmap), for zipfile: reads copy only what they read."""
+
+    def __init__(self, buffer):
+        super().__init__()
+        self.view, self.pos = memoryview(buffer).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), len(self.view) - self.pos))
+        out[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, offset + (0, self.pos, len(self.view))[whence])
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _member_data(view: memoryview, info: zipfile.ZipInfo, name: str) -> tuple[int, int]:
+    """(start, end) of a stored member's bytes in the body, from its local header."""
+    start = info.header_offset
+    head = bytes(view[start:start + LOCAL_HEADER.size])
+    if len(head) != LOCAL_HEADER.size or not head.startswith(b"PK\3\4"):
+        raise ProtocolError(f"{name}: not a readable npz member")
+    _, name_len, extra_len = LOCAL_HEADER.unpack(head)
+    start += LOCAL_HEADER.size + name_len + extra_len
+    if start + info.file_size > len(view):
+        raise ProtocolError(f"{name}: the npz member runs past the end of the body")
+    return start, start + info.file_size
+
+
+def _read_array(body, view: memoryview, archive: zipfile.ZipFile, name: str) -> np.ndarray:
+    """One stored (uncompressed) member as an array over the body's own bytes (no copy): its npy
+    header checked first, its data then viewed with numpy (never unpickled: only uint8 and
+    unicode dtypes pass the header checks)."""
     info = archive.getinfo(f"{name}.npy")
     if info.compress_type != zipfile.ZIP_STORED:
         raise ProtocolError(f"{name}: compressed; send an uncompressed npz (numpy.savez)")
-    with archive.open(info) as f:
-        try:
-            version = np.lib.format.read_magic(f)
-            if version not in HEADER_READERS:
-                raise ProtocolError(f"{name}: npy format version {version} (numpy.savez writes 1.0 or 2.0)")
-            shape, _, dtype = HEADER_READERS[version](f)
-        except ValueError as e:
-            raise ProtocolError(f"{name}: not an npy array ({e})") from None
-        CHECKS[name](shape, dtype)
-        data_bytes = math.prod(shape) * dtype.itemsize
-        if info.file_size - f.tell() != data_bytes:
-            raise ProtocolError(f"{name}: holds {info.file_size - f.tell()} data bytes, its header says {data_bytes}")
-    with archive.open(info) as f:  # from the start again: read_array reads the header itself
-        try:
-            return np.lib.format.read_array(f, allow_pickle=False)
-        except ValueError as e:
-            raise ProtocolError(f"{name}: unreadable ({e})") from None
-
-
-def decode_request(body: bytes) -> tuple[list[str], np.ndarray]:
-    """An npz request body -> (prompts, images uint8 [n, H, W, 3] C-contiguous); ProtocolError
-    if it is anything else."""
+    start, end = _member_data(view, info, name)
+    f = io.BytesIO(bytes(view[start:min(end, start + NPY_HEADER_PEEK)]))
     try:
-        archive = zipfile.ZipFile(io.BytesIO(body))
+        version = np.lib.format.read_magic(f)
+        if version not in HEADER_READERS:
+            raise ProtocolError(f"{name}: npy format version {version} (numpy.savez writes 1.0 or 2.0)")
+        shape, fortran_order, dtype = HEADER_READERS[version](f)
+    except ValueError as e:
+        raise ProtocolError(f"{name}: not an npy array ({e})") from None
+    CHECKS[name](shape, dtype)
+    if fortran_order and len(shape) > 1:
+        raise ProtocolError(f"{name}: in Fortran order; send a C-ordered array (numpy.savez of "
+                            "np.ascontiguousarray)")
+    data_bytes = math.prod(shape) * dtype.itemsize
+    if end - start - f.tell() != data_bytes:
+        raise ProtocolError(f"{name}: holds {end - start - f.tell()} data bytes, its header says {data_bytes}")
+    if zlib.crc32(view[start:end]) != info.CRC:
+        raise ProtocolError(f"{name}: bad CRC-32 (the npz member is damaged)")
+    try:
+        return np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=start + f.tell()).reshape(shape)
+    except ValueError as e:
+        raise ProtocolError(f"{name}: unreadable ({e})") from None
+
+
+def decode_request(body) -> tuple[list[str], np.ndarray]:
+    """An npz request body (bytes, or any buffer: the server's is an mmap) -> (prompts, images
+    uint8 [n, H, W, 3] C-contiguous, a view of the body's bytes); ProtocolError if it is
+    anything else. The images hold no memory of their own: a request costs its body once."""
+    view = memoryview(body).cast("B")
+    try:
+        archive = zipfile.ZipFile(_BufferFile(view))
     except (zipfile.BadZipFile, ValueError) as e:
         raise ProtocolError(f"the body is not an npz file ({e})") from None
     with archive:
@@ -111,7 +163,7 @@ def decode_request(body: bytes) -> tuple[list[str], np.ndarray]:
         if names != sorted(f"{a}.npy" for a in ARRAYS):
             raise ProtocolError(f"expected exactly the arrays {', '.join(ARRAYS)}, got {', '.join(names) or 'none'}")
         try:
-            arrays = {name: _read_array(archive, name) for name in ARRAYS}
+            arrays = {name: _read_array(body, view, archive, name) for name in ARRAYS}
         except (zipfile.BadZipFile, EOFError, OSError) as e:
             raise ProtocolError(f"the body is not a readable npz file ({e})") from None
     images, prompts = arrays["images"], arrays["prompts"]

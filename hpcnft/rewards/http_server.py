@@ -1,222 +1,195 @@
 """A scoring server for reward terms, speaking http_protocol.py: POST /v1/score/<name> for each
-served term, GET /v1/health. One request is scored at a time (a lock around the terms, which
+served term, GET /v1/health. One request is scored at a time (in one worker thread: the terms
 hold models and may not be thread-safe).
+
+The connections live on one asyncio event loop (the standard library's; no thread per
+connection), so an idle or slow socket costs a few kilobytes, not a thread: what a client may
+hold is bounded by http_limits.py (connections per address and in all, evicting sockets that
+have not sent their request; places for requests; body bytes counted as they arrive). Why not
+an ASGI server or aiohttp: neither has a deadline for a request's head, a cap per address, nor a
+way to let a token holder in ahead of idle anonymous sockets, so each would need the same code
+beside a new dependency; the standard library parses the headers (http_wire.py).
 
 With a shared secret (`token`), every request must carry it (`Authorization: Bearer <token>`,
 shared_secret.py), health checks included; one without it, or with another, is answered 401
 (`WWW-Authenticate: Bearer`) before anything else is looked at, its body dropped unread.
 
-What clients may cost the server is bounded:
-- a POST's path, term, Content-Type and Content-Length are checked before any of its body is
-  read; a refused one is answered at once (`Connection: close`) and its body then read and
-  dropped 64 KiB at a time, so that the client sees the answer rather than a reset;
-- at most `max_requests` requests are admitted at once, and their bodies (Content-Length) add up
-  to at most `body_budget_bytes`; a request that does not fit within `busy_wait_s` is answered
-  503 with Retry-After, one larger than the whole budget 413. While its body is decoded a request
-  holds about twice its body (the body and its arrays);
-- one connection is one request (HTTP/1.0), whose request line, headers and body must all
-  arrive within `request_deadline_s`; past it the connection is closed, with one line logged;
-- at most `max_connections` connections are open at once (a thread each); one beyond is
-  answered 503 with Retry-After by the accepting thread and closed, without a thread;
-- the listen backlog is 128, so a burst of clients waits to be accepted rather than being reset.
-
-Requests are not logged; each error answer is one line through `log`, with what the client
-sent escaped (printable ASCII only) and cut short."""
+What clients may cost the server:
+- a request's line and headers must arrive within `head_deadline_s` of its connection, 64 KiB
+  at most; a connection still waiting for them may be evicted by a newer one (http_limits.py);
+- a POST's path, term, Content-Type and single Content-Length are checked before any of its body
+  is read; a refused one is answered at once (`Connection: close`) and its body then read and
+  dropped, so that the client sees the answer rather than a reset;
+- a body must keep pace: byte k must arrive within `head_deadline_s` + k / `min_body_rate`
+  seconds of the head (the time the server made it wait for room excepted); past that the
+  connection is closed;
+- at most `max_requests` requests are admitted at once, and their bodies hold at most
+  `body_budget_bytes` (503 with Retry-After beyond, 413 for a body larger than that). A body
+  is read into memory that grows as it arrives, and the arrays are views of it: resident
+  memory is the server's own, plus the body budget, plus what one term uses while it scores,
+  plus at most about 400 KiB for each open connection's buffers;
+- error lines are rate-limited (http_limits.LogLimiter); requests are not logged; each error
+  line escapes what the client sent (printable ASCII only) and cuts it short."""
 from __future__ import annotations
 
-import io
-import json
-import math
+import asyncio
 import socket
 import sys
 import threading
-import time
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
 
 from hpcnft.common.errors import first_line
 from hpcnft.common.term_warnings import collected
-from hpcnft.rewards.http_protocol import (CONTENT_TYPE, HEALTH_PATH, MAX_BODY_BYTES, SCORE_PREFIX, ProtocolError,
-                                          decode_request, encode_scores, error_body)
-from hpcnft.rewards.shared_secret import MISSING, authorization
+from hpcnft.rewards.http_exchange import RETRY_AFTER_S, BadBody, Exchange
+from hpcnft.rewards.http_limits import Admission, Connections, LogLimiter, check_limits
+from hpcnft.rewards.http_protocol import MAX_BODY_BYTES, ProtocolError, decode_request, encode_scores, error_body
+from hpcnft.rewards.http_wire import LOG_TEXT_CHARS, MAX_HEAD_BYTES, answer, printable
 
 MAX_REQUESTS = 8
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
+MAX_PER_ADDRESS = 32
 BODY_BUDGET_BYTES = 2 << 30
-REQUEST_DEADLINE_S = 120.0
+HEAD_DEADLINE_S = 10.0
+MIN_BODY_RATE = 1 << 20  # bytes a second
 BUSY_WAIT_S = 1.0
-RETRY_AFTER_S = 1
-DISCARD_CHUNK = 64 << 10
-LOG_FIELD_CHARS = 200  # of a request's method and path in a log line
-LOG_TEXT_CHARS = 500  # of an error's text in a log line
+EVICT_AFTER_S = 0.25  # a connection this old that has not sent its head may give way to a new one
+LISTEN_BACKLOG = 128  # a burst of clients waits to be accepted rather than being reset
+CLOSE_TIMEOUT_S = 10.0  # for a closed connection's last bytes to leave
 
 
 def stderr_line(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def printable(text: str, limit: int = LOG_FIELD_CHARS) -> str:
-    """`text` with everything but printable ASCII escaped (\\x1b, \\n, \\\\, \\u2028, ...) and cut
-    to `limit` characters: what a client sent reaches a terminal or a log as data, never as codes."""
-    shown, size = [], 0
-    for char in text[:limit]:
-        escaped = char.encode("unicode_escape").decode("ascii")
-        if size + len(escaped) > limit:
-            break
-        shown.append(escaped)
-        size += len(escaped)
-    return "".join(shown) if len(shown) == len(text) else f"{''.join(shown)}... ({len(text)} characters)"
+def listening_socket(address: tuple[str, int]) -> socket.socket:
+    """A socket listening on (host, port): IPv4 or IPv6, whichever the host is ("::" takes both)."""
+    host, port = address
+    family, _, _, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server gets its port back
+        if family == socket.AF_INET6 and sockaddr[0] == "::":
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(sockaddr)
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
-class DeadlinePassed(Exception):
-    """A request's deadline passed before its request line, headers and body had arrived."""
-
-
-class DeadlineReader(io.RawIOBase):
-    """A socket's reads, each waiting only for what is left of one deadline: a client sending a
-    byte now and then holds its connection no longer than the deadline in all."""
-
-    def __init__(self, sock: socket.socket, deadline: float, write_timeout_s: float):
-        self.sock, self.deadline, self.write_timeout_s = sock, deadline, write_timeout_s
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise DeadlinePassed
-        self.sock.settimeout(left)
-        try:
-            return self.sock.recv_into(buffer)
-        except TimeoutError:
-            raise DeadlinePassed from None
-        finally:
-            self.sock.settimeout(self.write_timeout_s)
-
-
-class Refused(Exception):
-    """A request refused on its head: the status, one line of why and the answer's extra headers."""
-
-    def __init__(self, status: int, text: str, headers: dict | None = None):
-        super().__init__(text)
-        self.status, self.text, self.headers = status, text, headers
-
-
-def unauthorized(why: str) -> Refused:
-    """The 401 of a request without the token (MISSING) or with another (REFUSED): never the token."""
-    if why == MISSING:
-        return Refused(HTTPStatus.UNAUTHORIZED, "a shared secret is required: send Authorization: Bearer <token>",
-                       {"WWW-Authenticate": "Bearer"})
-    return Refused(HTTPStatus.UNAUTHORIZED, "the token was refused",
-                   {"WWW-Authenticate": 'Bearer error="invalid_token"'})
-
-
-class Admission:
-    """At most `max_requests` requests at once, holding at most `max_bytes` of bodies together."""
-
-    def __init__(self, max_requests: int, max_bytes: int):
-        self.max_requests, self.max_bytes = max_requests, max_bytes
-        self.requests = self.bytes = self.waiting = 0
-        self.changed = threading.Condition()
-
-    def _fits(self, nbytes: int) -> bool:
-        return self.requests < self.max_requests and self.bytes + nbytes <= self.max_bytes
-
-    def enter(self, nbytes: int, wait_s: float) -> bool:
-        """Take a place and reserve `nbytes`, waiting up to `wait_s` for them; False if they never fit."""
-        with self.changed:
-            self.waiting += 1
-            try:
-                if not self.changed.wait_for(lambda: self._fits(nbytes), timeout=wait_s):
-                    return False
-            finally:
-                self.waiting -= 1
-            self.requests += 1
-            self.bytes += nbytes
-            return True
-
-    def leave(self, nbytes: int) -> None:
-        with self.changed:
-            self.requests -= 1
-            self.bytes -= nbytes
-            self.changed.notify_all()
-
-
-def check_limits(max_requests: int, max_connections: int, body_budget_bytes: int, request_deadline_s: float,
-                 busy_wait_s: float) -> None:
-    if max_requests < 1:
-        raise ValueError(f"max_requests must be at least 1, got {max_requests}")
-    if max_connections < max_requests:
-        raise ValueError(f"max_connections must be at least max_requests ({max_requests}), got {max_connections}")
-    if body_budget_bytes < 1:
-        raise ValueError(f"body_budget_bytes must be at least 1, got {body_budget_bytes}")
-    if not (math.isfinite(request_deadline_s) and request_deadline_s > 0):
-        raise ValueError(f"request_deadline_s must be a positive number of seconds, got {request_deadline_s}")
-    if not (math.isfinite(busy_wait_s) and busy_wait_s >= 0):
-        raise ValueError(f"busy_wait_s must be a number of seconds >= 0, got {busy_wait_s}")
-
-
-class ScoringServer(ThreadingHTTPServer):
+class ScoringServer:
     """Serves `terms` (name -> term) on `address` ((host, port); port 0 picks a free one), within
-    the limits above; to clients sending `token` alone where one is given."""
-
-    daemon_threads = True
-    request_queue_size = 128  # socketserver's 5 resets the clients beyond a handful arriving together
+    the limits above; to clients sending `token` alone where one is given. Driven like
+    socketserver's servers: serve_forever() in one thread, shutdown() from another, then
+    server_close() (or `with server:`)."""
 
     def __init__(self, address: tuple[str, int], terms: dict, log=stderr_line, *, max_requests: int = MAX_REQUESTS,
-                 max_connections: int = MAX_CONNECTIONS, body_budget_bytes: int = BODY_BUDGET_BYTES,
-                 request_deadline_s: float = REQUEST_DEADLINE_S, busy_wait_s: float = BUSY_WAIT_S,
-                 token: str | None = None):
-        check_limits(max_requests, max_connections, body_budget_bytes, request_deadline_s, busy_wait_s)
-        self.terms, self.log = dict(terms), log
+                 max_connections: int = MAX_CONNECTIONS, max_per_address: int = MAX_PER_ADDRESS,
+                 body_budget_bytes: int = BODY_BUDGET_BYTES, head_deadline_s: float = HEAD_DEADLINE_S,
+                 min_body_rate: float = MIN_BODY_RATE, busy_wait_s: float = BUSY_WAIT_S,
+                 evict_after_s: float = EVICT_AFTER_S, token: str | None = None):
+        check_limits(max_requests, max_connections, max_per_address, body_budget_bytes, head_deadline_s,
+                     min_body_rate, busy_wait_s)
+        self.terms, self.log = dict(terms), LogLimiter(log)
         self.token = token.encode("ascii") if token else None
-        self.max_connections, self.connections = max_connections, 0
-        self.connections_lock = threading.Lock()
-        self.request_deadline_s, self.busy_wait_s = request_deadline_s, busy_wait_s
-        self.max_request_bytes = min(MAX_BODY_BYTES, body_budget_bytes)
+        self.table = Connections(max_connections, max_per_address, evict_after_s)
         self.admission = Admission(max_requests, body_budget_bytes)
+        self.head_deadline_s, self.min_body_rate, self.busy_wait_s = head_deadline_s, min_body_rate, busy_wait_s
+        self.max_request_bytes = min(MAX_BODY_BYTES, body_budget_bytes)
         self.score_lock = threading.Lock()
-        super().__init__(address, ScoreHandler)
+        self.socket = listening_socket(address)
+        self.server_address = self.socket.getsockname()
+        self.scorer = ThreadPoolExecutor(1, thread_name_prefix="hpcnft-reward-score")
+        self._decoder = ThreadPoolExecutor(1, thread_name_prefix="hpcnft-reward-decode")
+        self._tasks: set[asyncio.Task] = set()
+        self._state = threading.Lock()
+        self._loop = self._stop = None
+        self._started, self._done, self._shutdown_asked = threading.Event(), threading.Event(), False
 
     @property
     def port(self) -> int:
         return self.server_address[1]
 
-    def process_request(self, request, client_address) -> None:
-        """A thread for the connection while fewer than max_connections are open; else a 503 from
-        here (a short answer fits the socket's send buffer) and the connection closed."""
-        with self.connections_lock:
-            admitted = self.connections < self.max_connections
-            self.connections += admitted
-        if admitted:
-            return super().process_request(request, client_address)
-        self.log(f"reward server: connection from {client_address[0]}: 503 more than {self.max_connections} "
-                 "connections open; closed")
-        try:
-            request.settimeout(0)
-            request.send(turn_away_answer(self.max_connections))
-        except OSError:
-            pass
-        self.shutdown_request(request)
+    @property
+    def connections(self) -> int:
+        return len(self.table)
 
-    def process_request_thread(self, request, client_address) -> None:
+    # -- socketserver's surface -------------------------------------------------------------
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until shutdown() (`poll_interval` is socketserver's; shutdown wakes the loop at once)."""
+        loop = asyncio.new_event_loop()
+        loop.set_exception_handler(self._loop_error)
         try:
-            super().process_request_thread(request, client_address)
+            loop.run_until_complete(self._serve())
         finally:
-            with self.connections_lock:
-                self.connections -= 1
+            loop.close()
+            self._done.set()
 
+    def shutdown(self) -> None:
+        """Stop serve_forever (from another thread) and wait until it has returned."""
+        with self._state:
+            self._shutdown_asked = True
+            started = self._started.is_set()
+        if started:
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop has closed already
+                pass
+            self._done.wait()
+
+    def server_close(self) -> None:
+        self.socket.close()
+        self.scorer.shutdown(wait=False, cancel_futures=True)
+        self._decoder.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server_close()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        with self._state:
+            self._started.set()
+            if self._shutdown_asked:
+                return
+        server = await asyncio.start_server(self._connection, sock=self.socket, limit=MAX_HEAD_BYTES,
+                                            backlog=LISTEN_BACKLOG)
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await self._stop.wait()
+        finally:
+            ticker.cancel()
+            server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self.log.flush()
+
+    async def _tick(self) -> None:
+        while True:  # the error lines left out are counted once a second at most
+            await asyncio.sleep(1.0)
+            self.log.flush()
+
+    def _loop_error(self, loop, context: dict) -> None:
+        """What asyncio itself reports (an accept out of descriptors, say): one line, no traceback."""
+        error = context.get("exception")
+        self.log(f"reward server: {context.get('message', 'error')}" +
+                 (f": {printable(first_line(error, type(error).__name__), LOG_TEXT_CHARS)}" if error else ""))
+
+    # -- scoring ----------------------------------------------------------------------------
     def health(self) -> dict:
         """What GET /v1/health answers: the terms served and the load at this moment."""
         admission = self.admission
-        with admission.changed:
-            load = {"requests": admission.requests, "waiting": admission.waiting, "body_bytes": admission.bytes}
-        return {"terms": list(self.terms), **load, "connections": self.connections}
+        return {"terms": list(self.terms), "requests": admission.requests, "waiting": admission.waiting,
+                "body_bytes": admission.bytes, "connections": self.connections}
 
     def score(self, name: str, prompts: list[str], images: np.ndarray) -> bytes:
         with self.score_lock, collected() as found:
@@ -228,170 +201,65 @@ class ScoringServer(ThreadingHTTPServer):
             raise ProtocolError(f"term {name!r} returned scores of shape {list(scores.shape)} for {len(images)} images")
         return encode_scores(scores)
 
-    def handle_error(self, request, client_address) -> None:
-        # The client went away mid-answer (it timed out, say): one line, not a traceback.
-        reason = printable(first_line(sys.exc_info()[1]), LOG_TEXT_CHARS)
-        self.log(f"reward server: connection from {client_address[0]}: {reason}")
-
-
-def turn_away_answer(max_connections: int) -> bytes:
-    body = error_body(f"busy (more than {max_connections} connections open); retry after {RETRY_AFTER_S} s")
-    return (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
-            ).encode("ascii") + body
-
-
-class ScoreHandler(BaseHTTPRequestHandler):
-    server: ScoringServer
-
-    def setup(self) -> None:
-        self.timeout = self.server.request_deadline_s  # bounds each write; the reads share one deadline
-        super().setup()
-        self.rfile.close()
-        deadline = time.monotonic() + self.server.request_deadline_s
-        self.rfile = io.BufferedReader(DeadlineReader(self.connection, deadline, self.timeout))
-
-    def handle(self) -> None:
+    def decode_and_score(self, name: str, body) -> bytes:
+        """In the scoring thread: the answer's scores for a request's body (BadBody: not a request
+        of the protocol). The arrays are views of the body, dropped with it on return."""
         try:
-            super().handle()
-        except DeadlinePassed:
-            self.close_connection = True
-            self.server.log(f"reward server: connection from {self.client_address[0]}: request deadline of "
-                            f"{self.server.request_deadline_s:g} s passed; closed")
-
-    def log_message(self, format: str, *args) -> None:
-        pass  # no line per request; _error logs each error answer
-
-    def _answer(self, status: int, body: bytes, headers: dict | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")  # one request per connection
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, status: int, text: str, headers: dict | None = None) -> None:
-        what = f"{printable(self.command)} {printable(self.path)}" if self.command else "a malformed request"
-        self.server.log(f"reward server: {what}: {int(status)} {printable(text, LOG_TEXT_CHARS)}")
-        self._answer(status, error_body(text), headers)
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own refusals (malformed request line, unknown method) as JSON too."""
-        self.close_connection = True
-        self._error(code, message or HTTPStatus(code).phrase)
-
-    def _check_token(self) -> None:
-        """Refused (401) unless the request carries the server's token, where it has one."""
-        if self.server.token is not None:
-            why = authorization(self.headers.get_all("Authorization") or [], self.server.token)
-            if why is not None:
-                raise unauthorized(why)
-
-    def do_GET(self) -> None:
-        try:
-            self._check_token()
-        except Refused as e:
-            return self._refuse(e.status, e.text, e.headers)
-        if urlsplit(self.path).path != HEALTH_PATH:
-            return self._error(HTTPStatus.NOT_FOUND, f"no such path (GET {HEALTH_PATH})")
-        self._answer(HTTPStatus.OK, json.dumps(self.server.health()).encode())
-
-    def do_POST(self) -> None:
-        try:
-            name, length = self._check_head()
-        except Refused as e:
-            return self._refuse(e.status, e.text, e.headers)
-        if not self.server.admission.enter(length, self.server.busy_wait_s):
-            admission = self.server.admission
-            return self._refuse(HTTPStatus.SERVICE_UNAVAILABLE,
-                                f"busy (at most {admission.max_requests} requests, {admission.max_bytes} bytes "
-                                f"of bodies at once); retry after {RETRY_AFTER_S} s",
-                                {"Retry-After": str(RETRY_AFTER_S)})
-        try:
-            self._score_request(name, length)
-        finally:
-            self.server.admission.leave(length)
-
-    def _term_name(self) -> str | None:
-        path = urlsplit(self.path).path
-        return path[len(SCORE_PREFIX):] if path.startswith(SCORE_PREFIX) else None
-
-    def _content_length(self) -> int | None:
-        """The declared length of the body; None if there is none (or it is chunked)."""
-        text = (self.headers.get("Content-Length") or "").strip()
-        if self.headers.get("Transfer-Encoding") or not (text.isascii() and text.isdigit()):
-            return None
-        return int(text)
-
-    def _check_head(self) -> tuple[str, int]:
-        """The term and body length of this POST, from its head alone; Refused if it is refused.
-        The token first: a client without it learns nothing, not even the terms served."""
-        self._check_token()
-        if self.headers.get("Transfer-Encoding"):
-            raise Refused(HTTPStatus.BAD_REQUEST, "send the body with a Content-Length, not chunked")
-        name = self._term_name()
-        if name is None:
-            raise Refused(HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)")
-        if name not in self.server.terms:
-            raise Refused(HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving {', '.join(self.server.terms)})")
-        if self.headers.get_content_type() != CONTENT_TYPE:
-            raise Refused(HTTPStatus.BAD_REQUEST, f"Content-Type must be {CONTENT_TYPE}, "
-                                                  f"got {self.headers.get('Content-Type')!r}")
-        length = self._content_length()
-        if length is None:
-            raise Refused(HTTPStatus.BAD_REQUEST, "a Content-Length is required")
-        if length > self.server.max_request_bytes:
-            raise Refused(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {length} bytes is more than "
-                                                               f"{self.server.max_request_bytes} bytes")
-        return name, length
-
-    def _refuse(self, status: int, text: str, headers: dict | None = None) -> None:
-        """Answer without reading the body, then read and drop it: closing a connection with
-        unread data resets it, and the client would see the reset instead of the answer."""
-        self._error(status, text, headers)
-        self._discard(self._body_left())
-
-    def _body_left(self) -> int:
-        if self.headers.get("Transfer-Encoding"):
-            return MAX_BODY_BYTES  # chunked: whatever comes until the client closes, within the deadline
-        return self._content_length() or 0
-
-    def _discard(self, nbytes: int) -> None:
-        while nbytes > 0:
-            chunk = self.rfile.read1(min(DISCARD_CHUNK, nbytes))
-            if not chunk:
-                return
-            nbytes -= len(chunk)
-
-    def _score_request(self, name: str, length: int) -> None:
-        request = self._read_request(length)
-        if request is None:
-            return
-        try:
-            answer = self.server.score(name, *request)
-        except Exception as e:  # noqa: BLE001 - the client gets the reason, the server serves on
-            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR,
-                               f"term {name!r} failed: {type(e).__name__}: {first_line(e)}")
-        self._answer(HTTPStatus.OK, answer)
-
-    def _read_request(self, length: int) -> tuple[list[str], np.ndarray] | None:
-        """(prompts, images) from the body, or None after answering why not. The body is dropped
-        on return: the request waits to be scored holding its arrays only."""
-        body = self.rfile.read(length)
-        if len(body) != length:
-            self._error(HTTPStatus.BAD_REQUEST, f"body ended after {len(body)} of {length} bytes")
-            return None
-        try:
-            return decode_request(body)
+            prompts, images = decode_request(body)
         except ProtocolError as e:
-            self._error(HTTPStatus.BAD_REQUEST, str(e))
-            return None
+            raise BadBody(str(e)) from None
+        return self.score(name, prompts, images)
 
+    # -- one connection ---------------------------------------------------------------------
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        peer = writer.get_extra_info("peername") or ("?",)
+        address = str(peer[0])
 
-def serve_in_thread(server: ThreadingHTTPServer, poll_interval: float = 0.05) -> threading.Thread:
-    """Serve until server.shutdown(), in a daemon thread; shutdown() waits up to `poll_interval`."""
+        def close() -> None:
+            writer.transport.abort()
+            task.cancel()
+
+        conn, evicted = self.table.admit(address, close)
+        for victim in evicted:
+            self.log(f"reward server: connection from {victim.address}: closed before it sent its request, for a "
+                     f"newer one (at most {self.table.max_per_address} connections from one address, "
+                     f"{self.table.max_connections} in all)")
+        if conn is None:
+            return self._turn_away(address, writer)
+        self._tasks.add(task)
+        try:
+            await Exchange(self, conn, reader, writer).run()
+        except asyncio.CancelledError:
+            pass  # evicted, or the server stops
+        except (ConnectionError, OSError) as e:
+            self.log(f"reward server: connection from {address}: {printable(first_line(e), LOG_TEXT_CHARS)}")
+        except Exception as e:  # noqa: BLE001 - one line, never a traceback; the server serves on
+            self.log(f"reward server: connection from {address}: {type(e).__name__}: "
+                     f"{printable(first_line(e), LOG_TEXT_CHARS)}")
+        finally:
+            self._tasks.discard(task)
+            self.table.remove(conn)
+            if self._stop.is_set():
+                writer.transport.abort()
+            else:
+                writer.transport.close()  # sends what is left of the answer, then closes
+                self._loop.call_later(CLOSE_TIMEOUT_S, writer.transport.abort)  # unless the client never reads
+
+    def _turn_away(self, address: str, writer: asyncio.StreamWriter) -> None:
+        """No room for a new connection: a 503 (a short answer fits the socket's buffer), closed."""
+        full = self.table.per_address[address] >= self.table.max_per_address
+        what = f"more than {self.table.max_per_address} connections from {address}" if full else \
+            f"more than {self.table.max_connections} connections"
+        self.log(f"reward server: connection from {address}: 503 {what} open; closed")
+        writer.write(answer(HTTPStatus.SERVICE_UNAVAILABLE, error_body(f"busy ({what} open); retry after "
+                                                                       f"{RETRY_AFTER_S} s"),
+                            {"Retry-After": str(RETRY_AFTER_S)}))
+        writer.transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_TIMEOUT_S, writer.transport.abort)
+
+def serve_in_thread(server: ScoringServer, poll_interval: float = 0.05) -> threading.Thread:
+    """Serve until server.shutdown(), in a daemon thread."""
     thread = threading.Thread(target=server.serve_forever, args=(poll_interval,), name="hpcnft-reward-server",
                               daemon=True)
     thread.start()

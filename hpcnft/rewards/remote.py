@@ -5,10 +5,14 @@ another host, and hpcnft depends on none of them.
 An attempt (connect, send the request, read the whole answer) has `timeout_s` in all, however
 slowly the server trickles its answer, and reads at most a bound that n scores need; redirects
 are refused, as following one would turn the POST into a GET. A request that may succeed on a
-second try (connection refused or reset, a timeout, 5xx, 429) is retried `retries` times with
-exponential backoff, waiting longer where a 503 or 429 asks so (Retry-After in seconds, at
-most a minute); any other answer fails at once. Every failure is one RemoteRewardError
-line naming the term and its URL.
+later try (connection refused or reset, a timeout, 5xx, 429: a server that is down, restarting
+or busy) is retried for up to `retry_for_s` seconds (at most `retries` times, where that is not
+-1), with exponential backoff and jitter (so that many jobs do not come back at once), waiting
+longer where a 503 or 429 asks so (Retry-After in seconds, at most a minute). The term says
+once, as the wait begins, that it waits, and once that the server answers again. A request that
+runs out of its wait is a RemoteOutageError (the job checkpoints the steps it finished and
+stops); any other answer fails at once. Every failure is one RemoteRewardError line naming the
+term and its URL.
 
 Each request carries the shared secret from the environment variable token_env names, if it
 is set (`Authorization: Bearer`, shared_secret.py); a 401 or 403 fails at once, naming that
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import random
 import socket
 import time
 import urllib.error
@@ -25,7 +30,8 @@ import urllib.request
 import numpy as np
 import torch
 
-from hpcnft.common.errors import first_line
+from hpcnft.common.errors import OutageError, first_line
+from hpcnft.common.term_warnings import announce
 from hpcnft.rewards.base import as_uint8_numpy
 from hpcnft.rewards.http_protocol import (CONTENT_TYPE, MAX_BODY_BYTES, ProtocolError, decode_scores, encode_request,
                                           error_text)
@@ -46,6 +52,10 @@ class RemoteRewardError(RuntimeError):
     """A remote term's request failed (one line: the term, its URL and why)."""
 
 
+class RemoteOutageError(RemoteRewardError, OutageError):
+    """A remote term's server stayed down or busy for the whole of the request's wait."""
+
+
 class Retriable(Exception):
     """An attempt failed in a way a later attempt may not (the reason, one line), and the wait
     the server asked for (Retry-After), if any."""
@@ -56,7 +66,8 @@ class Retriable(Exception):
 
 
 def backoff_s(attempt: int) -> float:
-    """The wait after failed attempt `attempt` (0-based): 0.5 s, doubling, capped."""
+    """The longest wait after failed attempt `attempt` (0-based): 0.5 s, doubling, capped; a
+    wait is between half of it and all of it (jitter)."""
     return min(BACKOFF_START_S * 2 ** attempt, BACKOFF_MAX_S)
 
 
@@ -187,12 +198,18 @@ def _network_reason(e: BaseException, timeout_s: float) -> str:
 
 
 class RemoteTerm:
-    """POST each chunk to `url`; float32 [n] scores back. `sleep` is the backoff's clock; the
-    token is read from the variable `token_env` names once, here ("": none sent)."""
+    """POST each chunk to `url`; float32 [n] scores back. `sleep` and `clock` time the waits,
+    `jitter()` gives each wait's share of its backoff in [0, 1) (its own random stream: the
+    global ones are the job's); the token is read from the variable `token_env` names once,
+    here ("": none sent)."""
 
-    def __init__(self, name: str, url: str, timeout_s: float, retries: int, sleep=time.sleep, token_env: str = ""):
+    def __init__(self, name: str, url: str, timeout_s: float, retries: int, sleep=time.sleep, token_env: str = "",
+                 retry_for_s: float = 300.0, clock=time.monotonic, jitter=None):
         self.name, self.url, self.timeout_s, self.retries, self.sleep = name, url, timeout_s, retries, sleep
+        self.retry_for_s, self.clock = retry_for_s, clock
+        self.jitter = jitter or random.Random().random
         self.token_env = token_env
+        self.waiting_since: float | None = None  # the server has not answered since then (said once)
         try:
             self._token = client_token(token_env)
         except TokenError as e:
@@ -269,20 +286,47 @@ class RemoteTerm:
         body = encode_request(prompts, images)
         if len(body) > MAX_BODY_BYTES:
             raise self._fail(f"a request of {len(body)} bytes is more than a server takes ({MAX_BODY_BYTES})")
-        attempts = self.retries + 1
-        for attempt in range(attempts):
+        return torch.from_numpy(self._with_retries(body, len(images)))
+
+    def _with_retries(self, body: bytes, n: int) -> np.ndarray:
+        """Attempts until one answers, while the wait allows: `retry_for_s` seconds of waits
+        and attempts after the first, at most `retries` more attempts (-1: no such limit)."""
+        attempt, spent = 0, 0.0
+        while True:
+            t0 = self.clock()
             try:
-                return torch.from_numpy(self._attempt(body, len(images)))
+                scores = self._attempt(body, n)
+                break
             except Retriable as e:
                 reason, asked_s = str(e), e.retry_after_s
-            if attempt + 1 < attempts:
-                self.sleep(max(backoff_s(attempt), asked_s))
-        raise self._fail(f"{reason} after {attempts} attempt{'s' if attempts > 1 else ''}")
+            attempt += 1
+            spent += self.clock() - t0 if attempt > 1 else 0.0
+            left = self.retry_for_s - spent
+            if (0 <= self.retries < attempt) or left <= 0:
+                self.waiting_since = None
+                tried = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
+                if self.retries < 0 or attempt <= self.retries:
+                    tried += f" in {spent:.0f} s (retry_for_s {self.retry_for_s:g})"
+                raise RemoteOutageError(self._fail(f"{reason} {tried}")) from None
+            if self.waiting_since is None:
+                self.waiting_since = self.clock()
+                announce(f"reward term {self.name!r} (remote {self.url}): {reason}; retrying for up to "
+                         f"{self.retry_for_s:g} s (retry_for_s)")
+            wait = min(max(backoff_s(attempt - 1) * (0.5 + 0.5 * self.jitter()), asked_s), left)
+            self.sleep(wait)
+            spent += wait
+        if self.waiting_since is not None:
+            announce(f"reward term {self.name!r} (remote {self.url}): answered again after "
+                     f"{self.clock() - self.waiting_since:.0f} s")
+            self.waiting_since = None
+        return scores
 
 
 def load(term, cfg, device: torch.device) -> RemoteTerm:
-    """A term of kind `remote`: its url, timeout_s, retries and token_env (the device is the server's business)."""
+    """A term of kind `remote`: its url, timeout_s, retry_for_s, retries and token_env (the device
+    is the server's business)."""
     if not term.url.startswith(("http://", "https://")):
         raise RemoteRewardError(f"reward term {term.name or term.kind!r}: url must be http:// or https://, "
                                 f"got {term.url!r}")
-    return RemoteTerm(term.name or term.kind, term.url, term.timeout_s, term.retries, token_env=term.token_env)
+    return RemoteTerm(term.name or term.kind, term.url, term.timeout_s, term.retries, token_env=term.token_env,
+                      retry_for_s=term.retry_for_s)

@@ -67,7 +67,8 @@ def run_dir(env: Mapping[str, str], cwd: str, now: float, pid: int) -> str:
 def hpcnft_command(env: Mapping[str, str], which: Callable[[str], str | None] = shutil.which) -> list[str]:
     if env.get("HPCNFT_CMD"):
         return split_words(env["HPCNFT_CMD"], "HPCNFT_CMD")
-    return ["hpcnft"] if which("hpcnft") else ["python3", "-m", "hpcnft"]
+    # -P: the modules of the working directory (the job's submit directory) never run
+    return ["hpcnft"] if which("hpcnft") else ["python3", "-P", "-m", "hpcnft"]
 
 
 def launcher(env: Mapping[str, str], srun: list[str]) -> list[str]:

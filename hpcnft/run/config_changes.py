@@ -17,12 +17,13 @@ RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpo
                        "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
                        "logging.trackers",
                        "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
-                       "layout.emulate_hosts", "layout.stagger_loads", "perf.replicate_frozen_base"}
+                       "layout.emulate_hosts", "layout.stagger_loads", "perf.replicate_frozen_base",
+                       "perf.overlap_reward"}
 # Keys of each reward term ([] for any index) that say where, how patiently and with which secret
 # a remote term asks, not what is scored: they may change on resume too, with a warning (a judge
 # moved to another port, a longer timeout, a token in another variable).
 RESUME_WARNED_KEYS = {"reward.terms[].url", "reward.terms[].timeout_s", "reward.terms[].retries",
-                      "reward.terms[].token_env"}
+                      "reward.terms[].retry_for_s", "reward.terms[].token_env"}
 CHANGES_LISTED = 5  # a refusal or warning names at most this many keys, and counts the rest
 CHANGE_TEXT_CHARS = 40  # of each key and value in it
 

@@ -12,23 +12,24 @@ import torch
 import torch.distributed as dist
 
 from hpcnft.algo.prompts import PromptFileError
-from hpcnft.common import determinism
+from hpcnft.common import determinism, term_warnings
 from hpcnft.algo.root_config import Config, ConfigError
 from hpcnft.distributed.config import check_layout
 from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, UsageError,
                                   one_line)
 from hpcnft.distributed import groups, spawner
 from hpcnft.distributed.launch import LaunchInfo
-from hpcnft.distributed.preempt import PreemptFlag
+from hpcnft.distributed.preempt import OUTPUT_CLOSED, PreemptFlag
 from hpcnft.models.loading import ModelError, check_model_folders, resolve_model_paths
 from hpcnft.rewards.registry import build_tiny_models
 from hpcnft.run.job import train_main
 from hpcnft.run.failures import FailureClaim
-from hpcnft.run.output import fail_line, log, log_exception, print_err, report_failure, restore_stderr, setup_logging
+from hpcnft.run.output import (fail_line, guard_output, log, log_exception, print_err, report_failure, restore_stderr,
+                               setup_logging)
 from hpcnft.run.resume import RunFileLostError, agree_plan
 from hpcnft.run.reward_rank import reward_main
 from hpcnft.run.rundir import (check_term_extras, check_trackers, default_run_dir, finished_line, lock_run_dir,
-                               resume_command, tiny_models_needed)
+                               resume_command, resume_line, tiny_models_needed)
 
 BAD_INPUT = (ModelError, PromptFileError, ConfigError)
 
@@ -70,6 +71,7 @@ def rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides=()) -> int:
     if os.environ.get("HPCNFT_LAUNCHER"):  # ranks started by our spawner or through submitit
         info = dataclasses.replace(info, launcher=os.environ["HPCNFT_LAUNCHER"])
     flag = PreemptFlag(cfg.preempt.signal, cfg.preempt.handle_sigterm, log)  # before anything slow
+    guard_output(lambda: flag.request(OUTPUT_CLOSED))  # printing to a closed pipe stops the run, checkpointed
     if os.environ.get(spawner.SPAWNER_PID_ENV):  # never an orphan: the spawner's death stops the rank
         spawner.end_with_parent(int(os.environ[spawner.SPAWNER_PID_ENV]))
     try:
@@ -165,6 +167,7 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
              os.environ.get("NCCL_SOCKET_IFNAME") or "unset", endpoint)
     for text in notes:
         log.warning(text)
+    term_warnings.announce_to(lambda text: (log.warning(text), print_err(text)))  # a remote term's wait, said now
     try:
         plan = agree_plan(cfg, topo.rank)  # where every rank resumes, and whether run.h5 is rebuilt first
     except Exception as e:  # noqa: BLE001 - rank 0's failure, raised on every rank: said once
@@ -187,6 +190,8 @@ def _run_role(cfg: Config, topo, group, mesh, flag: PreemptFlag, notes: list[str
         return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001 - one line out, the traceback in the rank's log
         report_failure(topo, cfg.run_dir, e, f" (traceback in {cfg.run_dir}/logs/rank{topo.rank}.log)")
+        if topo.rank == 0 and os.environ.get("HPCNFT_LAUNCHER") != "local":  # the local spawner says it last
+            print_err(resume_line(cfg.run_dir, resume))
         return EXIT_FAILED
     groups.teardown()
     return code

@@ -17,9 +17,9 @@ from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
 from hpcnft.common import collector, determinism
 from hpcnft.algo.root_config import Config
-from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED
+from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
-from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardServiceError
+from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardOutage, RewardServiceError
 from hpcnft.io.checkpointer import Checkpointer
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.models.load_turns import load_turn
@@ -97,6 +97,7 @@ class TrainJob:
         self.resumed_from = self.rebuilt = ""  # the checkpoint loaded; rank 0: the warning that run.h5 was rebuilt
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
         self.step = 0  # the step under way (0: before the first), for the step of an error event
+        self.saved_step = 0  # the newest step with a checkpoint (0: none)
         self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
         self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
 
@@ -239,19 +240,44 @@ class TrainJob:
                 self.say(reward_header(cfg.reward.scale, training_terms(cfg)))
         if cfg.eval.at_start and start_step == 0:
             self.log_row(0, self.tr.evaluate())
+        self.saved_step = start_step
+        if self.evaluation_owed(start_step):  # its reward service was down when it was due
+            self.log_row(start_step, self.tr.evaluate())
         return start_step
+
+    def eval_due(self, step: int) -> bool:
+        cfg = self.cfg
+        return bool((cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end))
+
+    def evaluation_owed(self, start_step: int) -> bool:
+        """Every train rank: whether the evaluation of the step resumed after was due but is not
+        in run.h5 (a reward service stayed unreachable while it ran: outage()); rank 0 decides."""
+        if not start_step or not self.eval_due(start_step):
+            return False
+        owed = [False]
+        if self.writer:
+            rows = self.writer.rows_between(start_step - 1, start_step).get(start_step, {})
+            owed[0] = not any(key.startswith("eval/") for key in rows)
+        if self.group is not None:
+            dist.broadcast_object_list(owed, src=self.topo.train_ranks[0], group=self.group)
+        return owed[0]
 
     def iterate(self, step: int):
         """Every train rank: one iteration, its evaluation when one is due, its sample grid
-        when one is due; (metrics, grid or None)."""
+        when one is due; (metrics, grid or None, the RewardOutage that left the evaluation
+        unmade or None). A RewardOutage of the rollout (nothing of the step done) is raised."""
         cfg, tr = self.cfg, self.tr
         metrics, ro = tr.iteration(step)
-        if (cfg.eval.every and step % cfg.eval.every == 0) or (step == cfg.steps and cfg.eval.at_end):
-            metrics.update(tr.evaluate())
+        lost = None
+        if self.eval_due(step):
+            try:
+                metrics.update(tr.evaluate())
+            except RewardOutage as e:  # the step is trained: it is kept, its evaluation owed
+                lost = e
         every, n_grid = cfg.logging.sample_grid_every, cfg.logging.sample_grid_images
         grid = tr.grid_images(step, ro.images, n_grid) if every and n_grid and \
             (step % every == 0 or step == 1) else None  # every train rank takes part
-        return metrics, grid
+        return metrics, grid, lost
 
     def log_row(self, step: int, metrics: dict, grid=None) -> None:
         """Rank 0: a step's metrics to run.h5 and the trackers, its grid to samples/."""
@@ -274,13 +300,19 @@ class TrainJob:
             self.say(finished_line(cfg.run_dir, start_step))
         for step in range(start_step + 1, cfg.steps + 1):
             self.step = step
-            metrics, grid = self.iterate(step)
+            rng = determinism.capture_rng_state()  # what a checkpoint of step - 1 holds, if this one is lost
+            try:
+                metrics, grid, lost = self.iterate(step)
+            except RewardOutage as e:
+                return self.outage(step - 1, e, rng)
             self.report_term_warnings(step)
             self.log_row(step, metrics, grid)
             if self.writer:
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
                 print(line, flush=True)
                 log.info(line)
+            if lost is not None:
+                return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")
             stop = self.stop_requested()
             if self.checkpoint_due(step) or stop:
                 t_save = time.perf_counter()
@@ -288,6 +320,7 @@ class TrainJob:
                 if saved:  # rank 0: what a checkpoint of this run costs, for the log
                     log.info("checkpoint of step %d: %.1f MiB in %.2f s", step, folder_bytes(saved) / 2**20,
                              time.perf_counter() - t_save)
+                self.saved_step = step
             if stop and step < cfg.steps:
                 return self.preempted(step)
         tr.client.finish(cfg.steps)
@@ -298,6 +331,23 @@ class TrainJob:
             self.say(f"finished {steps_text(cfg.steps)} ({cfg.steps - start_step} in this start, {wall}); run file "
                      f"{os.path.join(cfg.run_dir, 'run.h5')}; last checkpoint {self.checkpointer.last or 'none'}")
         return EXIT_OK
+
+    def outage(self, done: int, e: RewardOutage, rng: bytes | None = None, note: str = "") -> int:
+        """Every train rank: a reward term's service stayed unreachable past its wait while step
+        done + 1 was scored (or the evaluation of step `done`). The steps finished are kept:
+        step `done` is checkpointed (with `rng`, the RNG state it ended with), the reward rank
+        told to stop, and the job exits 69, not requeued."""
+        if done and done != self.saved_step:
+            self.checkpointer.save(done, rng)
+            self.saved_step = done
+        self.tr.client.finish(done, preempted=True)
+        kept = f"checkpointed step {done}{note}" if done else "no step was finished: nothing to save"
+        if self.writer:
+            self.writer.event(done, "error", f"{e}; stopped: {kept}")
+        if self.topo.rank == 0:
+            then = f"; `{self.resume_command}` resumes it" if done and self.resume_command else ""
+            print_err(f"{e}; {kept}{then}")
+        return EXIT_UNAVAILABLE
 
     def preempted(self, step: int) -> int:
         self.tr.client.finish(step, preempted=True)

@@ -15,11 +15,20 @@ from hpcnft.algo.sampler import prompt_grid
 from hpcnft.common.errors import first_line
 from hpcnft.distributed import netif
 from hpcnft.run.failures import CONSEQUENCE_WAIT_S, FailureClaim
+from hpcnft.run.output_guard import guard, guard_std_streams
 
 log = logging.getLogger("hpcnft")
 
 
 _terminal = None  # the rank's original stderr, once native output goes to its log
+_on_closed = [lambda: None]  # what a write to a closed output asks for (guard_output)
+
+
+def guard_output(on_closed) -> None:
+    """A write to a closed stdout or stderr (or the rank's copy of the terminal) stops printing
+    and calls `on_closed()` once, instead of killing the process (run.output_guard)."""
+    _on_closed[0] = on_closed
+    guard_std_streams(lambda: _on_closed[0]())
 
 
 def setup_logging(run_dir: str, rank: int) -> None:
@@ -36,7 +45,7 @@ def setup_logging(run_dir: str, rank: int) -> None:
     log.propagate = False
     if _terminal is None:
         sys.stderr.flush()
-        _terminal = os.fdopen(os.dup(2), "w", buffering=1)
+        _terminal = guard(os.fdopen(os.dup(2), "w", buffering=1), lambda: _on_closed[0]())
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.dup2(fd, 2)
         os.close(fd)
@@ -80,9 +89,12 @@ def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str])
     """samples/step_<k>.png: a column per prompt, headed by its text."""
     from PIL import Image
 
-    os.makedirs(os.path.join(run_dir, "samples"), mode=0o700, exist_ok=True)
     path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
-    Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
+    except OSError as e:  # a write's own error names no file (a full disk: "[Errno 28]")
+        raise OSError(e.errno, f"{path}: cannot write the sample grid ({e.strerror or e})") from None
     return path
 
 

@@ -109,12 +109,19 @@ def _rebuild_source(run_dir: str, found: tuple[int, str]):
     return None, skipped
 
 
+def _fresh_start(run_dir: str) -> ResumePlan:
+    """No checkpoint: the run starts over, appending to a readable run.h5 (its rows dropped), or
+    setting a damaged one aside (a write that failed halfway, say) to start a new one."""
+    why, tag = run_file_trouble(os.path.join(run_dir, "run.h5"), None, 0)
+    return ResumePlan(None, why, tag) if tag == "damaged" else ResumePlan(None)
+
+
 def plan_resume(cfg: Config, run_dir: str, warn) -> ResumePlan:
     """Where the run resumes and whether run.h5 is rebuilt first. Raises ConfigError (another
     config) and RunFileLostError (run.h5 unusable, nothing to rebuild it from)."""
     found = checkpoint.latest_usable(run_dir, warn)
     if found is None:
-        return ResumePlan(None)
+        return _fresh_start(run_dir)
     changed = _check_config(cfg, run_dir, found[1])
     source, skipped = _rebuild_source(run_dir, found)
     run_id = read_run(run_state.run_state_path(source[1])).attrs.get(run_state.RUN_ID) if source else None

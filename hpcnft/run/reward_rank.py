@@ -6,7 +6,7 @@ from __future__ import annotations
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.algo.root_config import Config
 from hpcnft.common import collector, determinism
-from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED
+from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag
 from hpcnft.distributed.reward_service import serve
 from hpcnft.io.checkpointer import restore_rank_rng, snapshot_rank_rng
@@ -33,4 +33,6 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
     stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag,
                   reply_columns(cfg), on_failure=lambda: FailureClaim(cfg.run_dir).claim(topo.rank))
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
+    if stats["outage"]:  # the train ranks checkpointed what they finished and stopped
+        return EXIT_UNAVAILABLE
     return EXIT_PREEMPTED if stats["preempted"] else EXIT_OK

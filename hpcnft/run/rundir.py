@@ -4,6 +4,7 @@ config, and that the prompt files and model folders are there."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import shlex
 import time
@@ -140,16 +141,38 @@ def tiny_models_needed(cfg) -> bool:
     return (sd3_and_pickscore and not built(cache)) or (flux and not built(os.path.join(cache, FLUX_DIRNAME)))
 
 
+def last_checkpoint_step(run_dir: str) -> int | None:
+    """The step of the newest committed checkpoint in the run dir (its COMPLETE marker written),
+    read without torch; None when there is none. Whether it loads is rank 0's to find out."""
+    root = os.path.join(run_dir, "checkpoints")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return None
+    steps = [int(m[1]) for name in names if (m := re.fullmatch(r"step_(\d{6,})", name))
+             and os.path.isfile(os.path.join(root, name, "COMPLETE"))]
+    return max(steps, default=None)
+
+
+def resume_line(run_dir: str, resume: str) -> str:
+    """After a failure: the command that goes on, and from where."""
+    step = last_checkpoint_step(run_dir)
+    if step is None:
+        return f"no checkpoint was written: `{resume}` starts the run over"
+    return f"`{resume}` resumes it from checkpoint step {step}"
+
+
 def finished_line(run_dir: str, step: int) -> str:
     return f"{run_dir} already finished at step {step}; nothing to run (--steps N with N > {step} continues it)"
 
 
 def check_existing_run(cfg) -> None:
     """What the spawner checks of a run dir that already holds a run, without torch. With no
-    checkpoint, a run.h5 there must be a run file of this config, which the run appends to. With
-    checkpoints, rank 0 plans the resume from them (resume.agree_plan: it alone can tell an
-    intact checkpoint from a damaged one) and says, before any model loads, when the run is
-    finished, when its config differs and when run.h5 is lost with no copy to rebuild it from."""
+    checkpoint, a readable run.h5 there must be a run file of this config, which the run appends
+    to (an unreadable one is set aside by rank 0: resume.agree_plan). With checkpoints, rank 0
+    plans the resume from them (it alone can tell an intact checkpoint from a damaged one) and
+    says, before any model loads, when the run is finished, when its config differs and when
+    run.h5 is lost with no copy to rebuild it from."""
     from hpcnft.common.errors import ConfigError
     from hpcnft.io.runfile import RunFileError, read_run
     from hpcnft.run.config_changes import differing_keys
@@ -159,8 +182,8 @@ def check_existing_run(cfg) -> None:
         return
     try:
         stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
-    except RunFileError as e:
-        raise UsageError(f"run dir {cfg.run_dir!r}: {e}") from None
+    except RunFileError:
+        return  # damaged (a write that failed halfway): rank 0 sets it aside and starts over
     except ConfigError as e:
         raise UsageError(str(e)) from None
     diff = differing_keys(stored, cfg.to_dict())

@@ -16,13 +16,17 @@ import sys
 
 from hpcnft.algo.root_config import load_config
 from hpcnft.common import collector
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_PREEMPTED, ConfigError, UsageError
+from hpcnft.common.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE,
+                                  ConfigError, UsageError)
 from hpcnft.distributed.config import local_world_size
 from hpcnft.distributed.detect import detect
 from hpcnft.distributed.launch import LaunchError, roles
 from hpcnft.run.failures import FailureClaim
 from hpcnft.run.rundir import (check_existing_run, check_input, default_run_dir, lock_run_dir,
-                               resume_command)
+                               resume_command, resume_line)
+
+# exits after which rank 0 or the spawner has said how to go on, or that need no resume
+CHECKPOINTED_OR_REFUSED = (EXIT_OK, EXIT_BAD_INPUT, EXIT_PREEMPTED, EXIT_INTERRUPTED, EXIT_UNAVAILABLE)
 
 
 def start(recipe: str, overrides: list[str], run_dir: str | None, steps: int | None) -> int:
@@ -37,6 +41,9 @@ def start(recipe: str, overrides: list[str], run_dir: str | None, steps: int | N
     except (ConfigError, LaunchError) as e:
         raise UsageError(str(e)) from None
     if info.launcher == "none" and not os.environ.get("HPCNFT_LAUNCHER"):
+        from hpcnft.run.output_guard import guard_std_streams
+
+        guard_std_streams()  # a closed output stops the spawner's printing, never the spawner; its ranks stop
         collector.settle()
         return spawn_job(cfg, recipe, overrides, steps)
     from hpcnft.run.entry import rank_main
@@ -106,5 +113,7 @@ def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0
     code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
                        lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, fork=fork,
                        preempted_code=EXIT_PREEMPTED, resume_hint=f"`{resume}`", failure_claim=claim)
+    if code not in CHECKPOINTED_OR_REFUSED:  # a rank failed: the steps up to the last checkpoint are kept
+        print(f"hpcnft: {resume_line(cfg.run_dir, resume)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     return code

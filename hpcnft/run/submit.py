@@ -9,11 +9,14 @@ calls `HpcnftJob.checkpoint` and requeues; the requeued job resumes from that ch
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import sys
 
 import submitit
 
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED, UsageError
+from hpcnft.distributed.interpreter import SAFE_PATH, python_env
 
 CLUSTERS = ("slurm", "local", "debug")
 
@@ -56,7 +59,10 @@ def make_executor(cluster: str, folder: str, nodes: int, tasks_per_node: int, gp
                   mem_gb: float | None):
     if cluster not in CLUSTERS:
         raise UsageError(f"--cluster: {cluster!r} is not one of {', '.join(CLUSTERS)}")
-    executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+    # the job's interpreter runs without the working directory on its path (distributed.interpreter)
+    safe = f"{shlex.quote(sys.executable)} {SAFE_PATH}"
+    python = {f"{cluster}_python": safe} if cluster in ("slurm", "local") else {}
+    executor = submitit.AutoExecutor(folder=folder, cluster=cluster, **python)
     params = dict(nodes=nodes, tasks_per_node=tasks_per_node, cpus_per_task=cpus_per_task,
                   timeout_min=timeout_min, name="hpcnft")
     if gpus_per_node:
@@ -96,6 +102,9 @@ def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | 
     preflight(cfg, None if cluster == "debug" else nodes * tasks_per_node)
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     folder = folder or os.path.join(run_dir, "submitit")
+    # The job inherits this environment (Slurm exports it): where hpcnft is found only through the
+    # working directory, its folder goes on PYTHONPATH, since the job's interpreter runs with -P.
+    os.environ.update(python_env(os.environ))
     executor = make_executor(cluster, folder, nodes, tasks_per_node, gpus_per_node, cpus_per_task, timeout_min,
                              partition, account, mem_gb)
     return executor.submit(HpcnftJob(), recipe, overrides, run_dir, steps)

@@ -15,7 +15,7 @@ from hpcnft.cli.reward_server import required_token, served_terms, server_limits
 from hpcnft.rewards import http_server
 
 TERMS = 'reward.terms=[{kind="pickscore", name="ps", model_dir="/models/ps"}, {kind="remote", name="ocr", ' \
-        'url="http://h:1/v1/score/ocr"}]'
+        'url="http://h:1/v1/score/ocr", retry_for_s=30}]'
 
 
 def run(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -30,7 +30,8 @@ def test_help_lists_the_kinds(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert e.value.code == 0
     for word in ("TERM", "--recipe", "--set", "--host", "--port", "--device", "--port-file", "jpeg_compressibility",
-                 "--max-requests", "--max-body-mib", "--request-deadline-s", "503", "--token-file",
+                 "--max-requests", "--max-body-mib", "--max-per-address", "--head-deadline-s", "--min-body-kib-s",
+                 "503", "--token-file",
                  "--insecure-no-token", "HPCNFT_REWARD_TOKEN", "chmod 600"):
         assert word in out
 
@@ -74,11 +75,26 @@ def parsed(argv: list[str]):
 
 def test_the_limits_reach_the_server_and_default_to_its_own():
     assert server_limits(parsed(["jpeg_compressibility", "--max-requests", "3", "--max-connections", "4",
-                                 "--max-body-mib", "5", "--request-deadline-s", "2.5"])) == \
-        {"max_requests": 3, "max_connections": 4, "body_budget_bytes": 5 << 20, "request_deadline_s": 2.5}
+                                 "--max-per-address", "2", "--max-body-mib", "5", "--head-deadline-s", "2.5",
+                                 "--min-body-kib-s", "7"])) == \
+        {"max_requests": 3, "max_connections": 4, "max_per_address": 2, "body_budget_bytes": 5 << 20,
+         "head_deadline_s": 2.5, "min_body_rate": 7 << 10}
     assert server_limits(parsed(["jpeg_compressibility"])) == \
         {"max_requests": http_server.MAX_REQUESTS, "max_connections": http_server.MAX_CONNECTIONS,
-         "body_budget_bytes": http_server.BODY_BUDGET_BYTES, "request_deadline_s": http_server.REQUEST_DEADLINE_S}
+         "max_per_address": http_server.MAX_PER_ADDRESS, "body_budget_bytes": http_server.BODY_BUDGET_BYTES,
+         "head_deadline_s": http_server.HEAD_DEADLINE_S, "min_body_rate": http_server.MIN_BODY_RATE}
+
+
+def test_more_connections_than_the_open_file_limit_allows_is_one_line_and_exit_2(capsys, monkeypatch):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    code = main(["reward-server", "jpeg_compressibility", "--max-connections", str(hard)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"--max-connections {hard} needs {hard + 128} open files" in err and "ulimit -Hn" in err
 
 
 def test_fewer_connections_than_requests_is_one_line_and_exit_2(capsys):
@@ -94,9 +110,11 @@ def test_fewer_connections_than_requests_is_one_line_and_exit_2(capsys):
     ("--max-connections", "0", "must be a whole number >= 1, got '0'"),
     ("--max-body-mib", "-1", "must be a whole number >= 1, got '-1'"),
     ("--max-body-mib", "1.5", "must be a whole number >= 1, got '1.5'"),
-    ("--request-deadline-s", "0", "must be a number of seconds > 0, got '0'"),
-    ("--request-deadline-s", "nan", "must be a number of seconds > 0, got 'nan'"),
-    ("--request-deadline-s", "inf", "must be a number of seconds > 0, got 'inf'"),
+    ("--max-per-address", "0", "must be a whole number >= 1, got '0'"),
+    ("--head-deadline-s", "0", "must be a number of seconds > 0, got '0'"),
+    ("--head-deadline-s", "nan", "must be a number of seconds > 0, got 'nan'"),
+    ("--head-deadline-s", "inf", "must be a number of seconds > 0, got 'inf'"),
+    ("--min-body-kib-s", "0", "must be a whole number >= 1, got '0'"),
 ])
 def test_a_bad_limit_is_one_line_and_exit_2(capsys, option, value, needle):
     with pytest.raises(SystemExit) as e:

@@ -1,6 +1,7 @@
 """Which config changes a resume allows: reward.terms compared per term and per key, a remote
-term's url, timeout_s, retries and token_env allowed (warned about), what is scored refused,
-and the description of the changes one line of bounded length."""
+term's url, timeout_s, retry_for_s, retries and token_env allowed (warned about),
+perf.overlap_reward allowed, what is scored refused, and the description of the changes one
+line of bounded length."""
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,8 @@ def terms(*tables: str) -> dict:
 BEFORE = terms('kind="pickscore"', JUDGE)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7",
-                                     'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=80", "retries=7",
+                                     "retry_for_s=5", 'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_where_and_how_patiently_a_remote_term_asks_may_change(setting):
     after = terms('kind="pickscore"', judge(setting))
     key = f"reward.terms[1].{setting.split('=')[0]}"
@@ -99,3 +100,11 @@ def test_a_config_from_before_a_key_existed_reads_it_as_its_default():
     assert differing_keys(before, now) == []
     assert differing_keys(before, load_config("tiny", ["algo.name=flow_grpo"]).to_dict()) == ["algo.name"]
     assert differing_keys(now, before) == ["algo.name"] + [f"grpo.{k}" for k in sorted(now["grpo"])]
+
+
+def test_overlapping_the_reward_with_sampling_may_change_on_resume():
+    # perf.overlap_reward scores in a worker thread with the synchronous path's kernels, in the
+    # same order: the scores are the same, so a resume may turn it on or off (it was refused)
+    before = load_config("tiny", ["layout.train_ranks=1", "layout.reward_ranks=0"]).to_dict()
+    after = load_config("tiny", ["layout.train_ranks=1", "layout.reward_ranks=0", "perf.overlap_reward=true"])
+    assert differing_keys(before, after.to_dict()) == [] and config_changes(before, after.to_dict()) == []

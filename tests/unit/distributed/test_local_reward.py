@@ -79,3 +79,23 @@ def test_the_terms_warnings_are_kept_until_taken_in_chunk_order(overlap):
     assert client.take_warnings() == [f"chunk {4 * i}" for i in range(5)] and client.take_warnings() == []
     assert caller == []
     client.finish()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_service_that_stayed_unreachable_is_a_reward_outage_at_collect(overlap):
+    # world 1 scores in the training process: a remote term's outage reaches the job as the
+    # reward rank's client would give it, at collect, so that the job checkpoints and stops
+    from hpcnft.common.errors import OutageError
+    from hpcnft.distributed.reward_service import RewardOutage
+
+    class Down(OutageError):
+        pass
+
+    def score(kind, step, images, ids):
+        raise Down("reward term 'ocr' (remote http://judge/): connection refused after 9 attempts in 30 s")
+
+    client = LocalRewardClient(score, overlap=overlap)
+    pending = client.submit(ROLLOUT, 1, torch.zeros(2, 4, 4, 3, dtype=torch.uint8), [0, 1])
+    with pytest.raises(RewardOutage, match=r"^reward term 'ocr' .*connection refused after 9 attempts in 30 s$"):
+        client.collect(pending)
+    client.finish()

@@ -175,7 +175,7 @@ def test_the_spawner_imports_no_torch_and_a_cpu_jobs_ranks_are_forked_into_their
     seen = json.loads(r.stdout.splitlines()[-1])
     assert seen == {"torch": False, "argv": ["tiny", "--run-dir", run_dir, "--set", f"layout.device={device}"],
                     "world": 3, "fork": ["hpcnft.run.rank:preload", "hpcnft.run.rank:main"] if forked else None,
-                    "command": [sys.executable, "-m", "hpcnft.run.rank"]}
+                    "command": [sys.executable, "-P", "-m", "hpcnft.run.rank"]}
 
 
 def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(capfd):

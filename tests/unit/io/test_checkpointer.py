@@ -176,3 +176,40 @@ def test_a_rank_without_an_rng_file_keeps_its_rng(tmp_path):
     before = determinism.capture_rng_state()
     assert restore_rank_rng(final, 1) is False and determinism.capture_rng_state() == before
     assert restore_rank_rng(final, 0) is True
+
+
+def test_a_reward_ranks_rng_file_that_cannot_be_written_names_the_file(tmp_path, monkeypatch):
+    # a write's own OSError names no file ("rank 2 (reward): OSError: [Errno 28]"): the line names it
+    import errno
+    import io as io_module
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(os.path.join(checkpoint.partial_dir(run_dir, 3), "rng"))
+
+    class Full(io_module.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: Full() if path.endswith("rank_2.bin")
+                        else real_open(path, mode, *a, **k))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        snapshot_rank_rng(run_dir, 3, 2)
+    path = checkpoint.rng_path(checkpoint.partial_dir(run_dir, 3), 2)
+    assert str(e.value).startswith(f"{path}: cannot write the checkpoint (")
+    assert "No space left on device" in str(e.value)
+
+
+def test_with_the_rng_it_ended_with_a_step_abandoned_after_it_is_not_in_the_checkpoint(tmp_path):
+    # a remote term's outage abandons step 3 after its draws began: the checkpoint of step 2 holds
+    # the RNG state captured when step 2 ended, not the one the abandoned step left
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    ckpt = _checkpointer(run_dir)
+    torch.manual_seed(5)
+    ended = determinism.capture_rng_state()
+    expected = _draws()
+    torch.rand(100)  # the abandoned step's draws
+    ckpt.save(2, ended)
+    restore_rank_rng(checkpoint.step_dir(run_dir, 2), 0)
+    assert _draws() == expected

@@ -349,22 +349,44 @@ def test_a_request_gives_back_its_place_and_bytes_whatever_its_answer():
     assert statuses == [500, 400, 400, 200]
 
 
-DEADLINE_LINE = "reward server: connection from 127.0.0.1: request deadline of 1 s passed; closed"
+HEAD_LINE = "reward server: connection from 127.0.0.1: no request within 1 s; closed"
+SLOW_LINE = "reward server: POST {path}: body slower than 1 KiB/s ({got} of 100000 bytes); closed"
 
 
-@pytest.mark.parametrize("sent,dripped,answered", [
-    (b"", head(OCR, 10), b""),  # the request line and headers
-    (head(OCR, 100_000), bytes(100_000), b""),  # the body of a request being read
-    (head("/no/such/path", 100_000), bytes(100_000), b"HTTP/1.0 404 "),  # the body of a refused one
-])
-def test_one_deadline_bounds_a_whole_request_however_slowly_it_comes(sent, dripped, answered):
+def test_a_request_head_dripped_slowly_is_closed_at_its_deadline():
     lines = []
-    with running({"ocr": zero_term}, lines, request_deadline_s=1) as server, connect(server.port) as sock:
-        sock.sendall(sent)
-        received = drip_until_closed(sock, dripped)
+    with running({"ocr": zero_term}, lines, head_deadline_s=1) as server, connect(server.port) as sock:
+        assert drip_until_closed(sock, head(OCR, 10)) == b""
+    assert lines == [HEAD_LINE]
+
+
+@pytest.mark.parametrize("path,answered", [(OCR, b""), ("/no/such/path", b"HTTP/1.0 404 ")])
+def test_a_body_slower_than_the_pace_is_closed_whether_it_is_read_or_dropped(path, answered):
+    # byte k must arrive within head_deadline_s + k / min_body_rate: a byte every 50 ms is
+    # 20 B/s, far behind 1 KiB/s once the second of grace is spent
+    lines = []
+    with running({"ocr": zero_term}, lines, head_deadline_s=1, min_body_rate=1024) as server, \
+            connect(server.port) as sock:
+        sock.sendall(head(path, 100_000))
+        received = drip_until_closed(sock, bytes(100_000))
     assert received.startswith(answered) and (received == b"") == (answered == b"")
-    assert [line for line in lines if "deadline" in line] == [DEADLINE_LINE]
-    assert len(lines) == (2 if answered else 1)
+    slow = [line for line in lines if "slower" in line]
+    assert len(slow) == 1 and slow[0].startswith(f"reward server: POST {path}: body slower than 1 KiB/s (")
+
+
+def test_a_body_that_keeps_the_pace_is_read_however_long_it_takes():
+    # 20 bytes every 50 ms (400 B/s) against a pace of 100 B/s after 0.2 s: longer than the
+    # grace and the first bytes' share of it, never behind
+    lines = []
+    body = encode_request(PROMPTS[:1], images(n=1, h=1, w=1))
+    with running({"ocr": zero_term}, lines, head_deadline_s=0.2, min_body_rate=100) as server, \
+            connect(server.port) as sock:
+        sock.sendall(head(OCR, len(body)))
+        for i in range(0, len(body), 20):
+            time.sleep(0.05)
+            sock.sendall(body[i:i + 20])
+        status, _, payload = read_answer(sock)
+    assert (status, payload, lines) == (200, {"scores": [0.0]}, [])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a listener's TCP_INFO is Linux's")
@@ -406,8 +428,10 @@ def test_printable_escapes_all_but_printable_ascii_and_cuts():
 @pytest.mark.parametrize("limits,needle", [({"max_requests": 0}, "max_requests must be at least 1"),
                                            ({"max_requests": 3, "max_connections": 2}, "max_connections must be"),
                                            ({"body_budget_bytes": 0}, "body_budget_bytes must be at least 1"),
-                                           ({"request_deadline_s": 0}, "request_deadline_s must be a positive"),
-                                           ({"request_deadline_s": float("inf")}, "request_deadline_s must be"),
+                                           ({"head_deadline_s": 0}, "head_deadline_s must be a positive"),
+                                           ({"head_deadline_s": float("inf")}, "head_deadline_s must be"),
+                                           ({"min_body_rate": 0}, "min_body_rate must be a positive"),
+                                           ({"max_per_address": 0}, "max_per_address must be at least 1"),
                                            ({"busy_wait_s": -1}, "busy_wait_s must be")])
 def test_bad_limits_are_refused(limits, needle):
     with pytest.raises(ValueError, match=needle):

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from hpcnft.algo.root_config import ConfigError, load_config
+from hpcnft.common import term_warnings
+from hpcnft.common.errors import OutageError
 
 from hpcnft.rewards import remote
 from hpcnft.rewards.config import RewardTermConfig
@@ -81,8 +83,9 @@ def scores_body(values) -> bytes:
 
 
 def client(server, name="judge", retries=2, timeout_s=10.0, sleeps=None) -> RemoteTerm:
+    """A remote term whose waits are recorded, not slept, each the whole of its backoff (jitter 1)."""
     waits = [] if sleeps is None else sleeps
-    return RemoteTerm(name, url_of(server, name), timeout_s, retries, sleep=waits.append)
+    return RemoteTerm(name, url_of(server, name), timeout_s, retries, sleep=waits.append, jitter=lambda: 1.0)
 
 
 class Fixed:
@@ -185,9 +188,67 @@ def test_connection_refused_names_the_url_and_the_attempts():
     sleeps = []
     url = f"http://127.0.0.1:{unused_port()}/v1/score/ocr"
     with pytest.raises(RemoteRewardError) as e:
-        RemoteTerm("ocr", url, 5.0, 2, sleep=sleeps.append)(PROMPTS, images())
+        RemoteTerm("ocr", url, 5.0, 2, sleep=sleeps.append, jitter=lambda: 1.0)(PROMPTS, images())
     assert str(e.value) == f"reward term 'ocr' (remote {url}): connection refused after 3 attempts"
     assert sleeps == [0.5, 1.0]
+
+
+class FakeClock:
+    """A clock that moves only when the term sleeps: a wait of minutes takes no time."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_server_that_stays_down_is_retried_for_retry_for_s_with_jittered_backoff_then_an_outage():
+    clock, said = FakeClock(), []
+    url = f"http://127.0.0.1:{unused_port()}/v1/score/ocr"
+    term = RemoteTerm("ocr", url, 5.0, -1, sleep=clock.sleep, clock=clock, retry_for_s=120.0)
+    term_warnings.announce_to(said.append)
+    try:
+        with pytest.raises(remote.RemoteOutageError) as e:
+            term(PROMPTS, images())
+    finally:
+        term_warnings.announce_to(None)
+    assert isinstance(e.value, OutageError)
+    attempts = len(clock.sleeps) + 1
+    assert str(e.value) == (f"reward term 'ocr' (remote {url}): connection refused after {attempts} attempts in "
+                            "120 s (retry_for_s 120)")
+    assert sum(clock.sleeps) == pytest.approx(120.0)  # the last wait is cut to what is left
+    for i, wait in enumerate(clock.sleeps[:-1]):  # each between half its backoff and all of it
+        assert remote.backoff_s(i) / 2 <= wait <= remote.backoff_s(i)
+    assert len(set(clock.sleeps[6:-1])) > 1  # jittered: jobs waiting together come back apart
+    assert said == [f"reward term 'ocr' (remote {url}): connection refused; retrying for up to 120 s (retry_for_s)"]
+
+
+def test_the_wait_is_said_once_as_it_begins_and_once_when_the_server_answers_again():
+    clock, said = FakeClock(), []
+    with serving(Scripted([(503, b'{"error": "loading"}')] * 3 + [(200, scores_body([1, 2, 3]))] * 2)) as server:
+        term = RemoteTerm("judge", url_of(server, "judge"), 5.0, -1, sleep=clock.sleep, clock=clock)
+        term_warnings.announce_to(said.append)
+        try:
+            assert term(PROMPTS, images()).tolist() == [1.0, 2.0, 3.0]
+            assert term(PROMPTS, images()).tolist() == [1.0, 2.0, 3.0]  # nothing more to say
+        finally:
+            term_warnings.announce_to(None)
+    assert said == [f"reward term 'judge' (remote {term.url}): HTTP 503 (loading); retrying for up to 300 s "
+                    "(retry_for_s)",
+                    f"reward term 'judge' (remote {term.url}): answered again after {sum(clock.sleeps):.0f} s"]
+
+
+def test_retry_for_s_0_is_one_attempt():
+    clock = FakeClock()
+    url = f"http://127.0.0.1:{unused_port()}/v1/score/ocr"
+    with pytest.raises(remote.RemoteOutageError, match="connection refused after 1 attempt in 0 s"):
+        RemoteTerm("ocr", url, 5.0, -1, sleep=clock.sleep, clock=clock, retry_for_s=0.0)(PROMPTS, images())
+    assert clock.sleeps == []
 
 
 def test_a_server_that_does_not_answer_in_time_is_a_timeout():
@@ -404,18 +465,31 @@ def test_prompts_and_images_must_pair_up():
 
 def test_a_remote_term_loads_from_its_config():
     cfg = load_config("tiny", ['reward.terms=[{kind="remote", name="ocr", url="http://h:8000/v1/score/ocr", '
-                               'timeout_s=5.5, retries=4}]'])
+                               'timeout_s=5.5, retries=4, retry_for_s=90}]'])
     term = load_term(cfg.reward.terms[0], cfg, torch.device("cpu"))
     assert isinstance(term, RemoteTerm)
-    assert (term.name, term.url, term.timeout_s, term.retries) == ("ocr", "http://h:8000/v1/score/ocr", 5.5, 4)
+    assert (term.name, term.url, term.timeout_s, term.retries, term.retry_for_s) == \
+        ("ocr", "http://h:8000/v1/score/ocr", 5.5, 4, 90.0)
 
 
 @pytest.mark.parametrize("setting,key", [('url="ftp://h/x"', "url"), ('url=""', "url"),
-                                         ('url="http://h/x", retries=-1', "retries"),
+                                         ('url="http://h/x", retries=-2', "retries"),
+                                         ('url="http://h/x", retry_for_s=-1', "retry_for_s"),
                                          ('url="http://h/x", timeout_s=0', "timeout_s")])
 def test_a_remote_terms_config_is_checked(setting, key):
     with pytest.raises(ConfigError, match=rf"reward\.terms\[0\]\.{key}"):
         load_config("tiny", [f'reward.terms=[{{kind="remote", {setting}}}]'])
+
+
+def test_a_remote_terms_wait_must_end_before_the_train_ranks_stop_waiting():
+    # the tiny recipe's layout.timeout_s is 120 s; the default wait 60 + 300 s
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ['reward.terms=[{kind="pickscore"}, {kind="remote", url="http://h/x"}]'])
+    assert str(e.value) == ("reward.terms[1].retry_for_s: the remote terms may take 360 s over a chunk (timeout_s + "
+                            "retry_for_s), not less than layout.timeout_s (120 s), which the train ranks wait for its "
+                            "scores: lower retry_for_s or raise layout.timeout_s")
+    load_config("tiny", ['reward.terms=[{kind="remote", url="http://h/x"}]', "layout.timeout_s=361"])
+    load_config("tiny", ['reward.terms=[{kind="remote", url="http://h/x", retries=0}]'])  # no retries: 60 s
 
 
 def test_http_proxy_still_applies(monkeypatch):

@@ -256,7 +256,7 @@ def test_token_env_defaults_to_the_servers_variable_and_reaches_the_term_never_i
     monkeypatch.setenv("HPCNFT_OCR", TOKEN)
     terms = ('reward.terms=[{kind="remote", name="ocr", url="http://h:8000/v1/score/ocr"}, '
              '{kind="remote", name="vlm", url="http://h:8000/v1/score/vlm", token_env="HPCNFT_OCR"}]')
-    cfg = load_config("tiny", [terms])
+    cfg = load_config("tiny", [terms, "layout.timeout_s=1000"])  # two remote terms' waits
     assert [t.token_env for t in cfg.reward.terms] == ["HPCNFT_REWARD_TOKEN", "HPCNFT_OCR"]
     assert load_term(cfg.reward.terms[1], cfg, torch.device("cpu")).token_env == "HPCNFT_OCR"
     assert TOKEN not in cfg.to_json()
@@ -266,7 +266,8 @@ def test_token_env_defaults_to_the_servers_variable_and_reaches_the_term_never_i
                                      ("hpcnft_ocr", False), ("AWS_SECRET_ACCESS_KEY", False), ("PATH", False),
                                      ("HPCNFT_A-B", False), ("HPCNFT_A B", False), ("HPCNFT_" + "X" * 101, False)])
 def test_token_env_must_name_an_hpcnft_variable_or_be_empty(name, ok):
-    overrides = [f'reward.terms=[{{kind="remote", url="http://h:8000/v1/score/ocr", token_env="{name}"}}]']
+    overrides = [f'reward.terms=[{{kind="remote", url="http://h:8000/v1/score/ocr", token_env="{name}", '
+                 'retry_for_s=30}]']
     if ok:
         assert load_config("tiny", overrides).reward.terms[0].token_env == name
     else:

@@ -64,7 +64,7 @@ def test_no_terms_is_pickscore_alone():
     ('[{kind="pickscore", eval_only=true}]', "every term is eval_only"),
     ('[{kind="remote"}]', "reward.terms[0].url: a remote term needs an http"),
     ('[{kind="pickscore", weight=nan}]', "reward.terms[0].weight: must be a finite number"),
-    ('[{kind="remote", url="http://h/x", retries=-1}]', "reward.terms[0].retries: must be >= 0"),
+    ('[{kind="remote", url="http://h/x", retries=-2}]', "reward.terms[0].retries: must be >= 0, or -1"),
     ('[{kind="pickscore", wieght=1.0}]', "unknown config key 'reward.terms.wieght' (did you mean 'weight'?)"),
     ('["pickscore"]', "reward.terms: expected a table of settings"),
 ])

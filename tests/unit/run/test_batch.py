@@ -33,7 +33,7 @@ def test_run_dir_keeps_the_job_id_and_is_absolute(tmp_path):
 
 def test_hpcnft_command_defaults():
     assert batch.hpcnft_command({}, which=lambda name: "/x/hpcnft") == ["hpcnft"]
-    assert batch.hpcnft_command({}, which=lambda name: None) == ["python3", "-m", "hpcnft"]
+    assert batch.hpcnft_command({}, which=lambda name: None) == ["python3", "-P", "-m", "hpcnft"]
     assert batch.hpcnft_command({"HPCNFT_CMD": "'/opt/my env/python' -m hpcnft"}) == [
         "/opt/my env/python", "-m", "hpcnft"]
 

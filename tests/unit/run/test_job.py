@@ -1,6 +1,7 @@
 """hpcnft.run: the job's pieces that need no model. Which checkpoint a run resumes from (and
 the refusal of one whose config differs), run file before requeue, failures as one line, the
-default run dir."""
+default run dir, and what a reward service's outage keeps: the steps finished, an evaluation
+owed to the next start."""
 from __future__ import annotations
 
 import os
@@ -115,3 +116,60 @@ def test_the_terms_warnings_of_a_step_become_its_warning_events_each_text_once()
     job.topo.rank = 1  # another train rank hands them on and reports nothing itself
     TrainJob.report_term_warnings(job, 5)
     assert reported == [(4, "a (x2)"), (4, "b")]
+
+
+def _outage_job(tmp_path, evaluate):
+    """A TrainJob without models: a learner whose evaluation is `evaluate`, a checkpointer that
+    records its saves, a real run.h5."""
+    from hpcnft.io.run_writer import RunFileWriter
+    from hpcnft.io.trackers import TrackerGroup
+    from hpcnft.run.job import TrainJob
+
+    job = TrainJob.__new__(TrainJob)
+    job.cfg = load_config("tiny", ["eval.every=2"], steps=4)
+    job.cfg.run_dir = str(tmp_path)
+    job.topo = types.SimpleNamespace(rank=0, train_ranks=[0])
+    job.group, job.saved_step, job.resume_command = None, 0, "hpcnft run tiny --run-dir R --steps 4"
+    job.writer = RunFileWriter(str(tmp_path / "run.h5"), "{}", "test")
+    job.trackers = TrackerGroup([], print)
+    saves, finished = [], []
+    job.checkpointer = types.SimpleNamespace(save=lambda step, rng=None: saves.append((step, rng)))
+    ro = types.SimpleNamespace(images=None)
+    job.tr = types.SimpleNamespace(iteration=lambda step: ({"train/nft_loss": 1.0}, ro), evaluate=evaluate,
+                                   client=types.SimpleNamespace(finish=lambda step, preempted: finished.append(step)))
+    job.cfg.logging.sample_grid_every = 0
+    return job, saves, finished
+
+
+def test_an_outage_in_an_evaluation_keeps_the_trained_step_and_owes_the_evaluation(tmp_path, capsys):
+    from hpcnft.distributed.reward_service import RewardOutage
+
+    def down():
+        raise RewardOutage("reward term 'ocr' (remote http://j/): connection refused after 9 attempts in 30 s")
+
+    job, saves, finished = _outage_job(tmp_path, down)
+    metrics, grid, lost = job.iterate(2)  # the step trained, its evaluation lost
+    assert metrics == {"train/nft_loss": 1.0} and isinstance(lost, RewardOutage)
+    job.log_row(2, metrics)
+    assert job.outage(2, lost, note=" (its evaluation is made when the run resumes)") == 69
+    assert saves == [(2, None)] and finished == [2] and job.saved_step == 2
+    err = capsys.readouterr().err
+    assert err.endswith("connection refused after 9 attempts in 30 s; checkpointed step 2 (its evaluation is made "
+                        "when the run resumes); `hpcnft run tiny --run-dir R --steps 4` resumes it\n")
+    assert job.evaluation_owed(2)  # run.h5 has step 2's training rows, not its evaluation's
+    job.log_row(2, {"eval/pickscore_mean": 0.5, "eval/pickscore_std": 0.1})
+    assert not job.evaluation_owed(2) and not job.evaluation_owed(3)  # made; no evaluation due at 3
+    job.writer.close()
+
+
+def test_an_outage_in_a_rollout_checkpoints_the_step_before_with_the_rng_it_ended_with(tmp_path, capsys):
+    from hpcnft.distributed.reward_service import RewardOutage
+
+    job, saves, finished = _outage_job(tmp_path, lambda: {})
+    outage = RewardOutage("reward term 'ocr' (remote http://j/): HTTP 503 after 40 attempts in 300 s")
+    assert job.outage(2, outage, b"rng of step 2") == 69 and saves == [(2, b"rng of step 2")]
+    job.saved_step = 3
+    assert job.outage(3, outage, b"x") == 69 and saves == [(2, b"rng of step 2")]  # checkpointed already
+    assert job.outage(0, outage) == 69 and len(saves) == 1  # nothing finished: nothing to save
+    assert capsys.readouterr().err.splitlines()[-1].endswith("; no step was finished: nothing to save")
+    job.writer.close()

@@ -24,8 +24,8 @@ def checkpoint_dir(tmp_path, cfg) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=300", "retries=7",
-                                     'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
+@pytest.mark.parametrize("setting", ['url="http://judge:9000/v1/score/ocr"', "timeout_s=80", "retries=7",
+                                     "retry_for_s=5", 'token_env="HPCNFT_OCR_TOKEN"', 'token_env=""'])
 def test_a_remote_terms_endpoint_and_patience_may_change_with_a_warning(tmp_path, setting):
     path = checkpoint_dir(tmp_path, with_terms('kind="pickscore"', JUDGE))
     key = setting.split("=")[0]

@@ -59,3 +59,38 @@ def test_every_start_checks_the_run_dir_with_its_input(tmp_path):
     cfg = load_config("tiny", run_dir=str(tmp_path / "file" / "run"))
     with pytest.raises(UsageError, match="is not a directory"):
         check_input(cfg, 3)
+
+
+def test_after_a_failure_the_line_says_the_command_and_the_checkpoint_it_resumes_from(tmp_path):
+    from hpcnft.run.rundir import last_checkpoint_step, resume_line
+
+    run_dir = str(tmp_path / "run")
+    command = f"hpcnft run tiny --run-dir {run_dir} --steps 20"
+    assert last_checkpoint_step(run_dir) is None
+    assert resume_line(run_dir, command) == f"no checkpoint was written: `{command}` starts the run over"
+    for name, complete in (("step_000005", True), ("step_000010", True), ("step_000015", False),
+                           ("step_000020.partial", True)):
+        os.makedirs(os.path.join(run_dir, "checkpoints", name))
+        if complete:
+            open(os.path.join(run_dir, "checkpoints", name, "COMPLETE"), "w").close()
+    assert last_checkpoint_step(run_dir) == 10  # committed ones only
+    assert resume_line(run_dir, command) == f"`{command}` resumes it from checkpoint step 10"
+
+
+def test_a_sample_grid_that_cannot_be_written_names_its_path(tmp_path, monkeypatch):
+    import errno
+
+    import torch
+    from PIL import Image
+
+    from hpcnft.run.output import save_grid
+
+    def full(self, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    with pytest.raises(OSError) as e:
+        save_grid(str(tmp_path), 5, torch.zeros(2, 8, 8, 3, dtype=torch.uint8), ["a cat", "a dog"])
+    path = os.path.join(str(tmp_path), "samples", "step_000005.png")
+    assert e.value.errno == errno.ENOSPC and str(e.value) == (f"[Errno 28] {path}: cannot write the sample grid "
+                                                              "(No space left on device)")

@@ -88,7 +88,7 @@ def test_one_screen_and_one_srun_line():
         lines = script.read_text().splitlines()
         assert len(lines) <= 40, f"{script.name}: {len(lines)} lines"
         commands = [line for line in lines if line.strip() and not line.startswith("#")]
-        assert commands[-1] == "exec python3 -m hpcnft.run.batch srun --kill-on-bad-exit=1 --mpi=none"
+        assert commands[-1] == "exec python3 -P -m hpcnft.run.batch srun --kill-on-bad-exit=1 --mpi=none"
         assert len(commands) == 2 and commands[0].startswith("export RECIPE=${RECIPE:-")
 
 
