@@ -25,10 +25,10 @@ def _fmt_rate(flops_per_s: float) -> str:
     return f"{value:.{max(0, 3 - len(str(int(value))))}f} {unit}"
 
 
-def _fmt_pct(fraction: float) -> str:
-    """A share as a percentage: one decimal, or two significant digits below 1 % (tiny shapes)."""
+def _fmt_pct(fraction: float, decimals: int = 1) -> str:
+    """A share as a percentage: `decimals` decimals, or two significant digits below 1 % (tiny shapes)."""
     pct = fraction * 100
-    return f"{pct:.1f} %" if pct >= 1 or pct == 0 else f"{pct:.2g} %"
+    return f"{pct:.{decimals}f} %" if pct >= 1 or pct == 0 else f"{pct:.2g} %"
 
 
 def targets(doc: dict, S: Shapes) -> dict:
@@ -92,7 +92,7 @@ def _cell(m: dict | None) -> str:
         return "error"
     text = _fmt_ms(m["per_unit_s"]) + (f"/{m['unit'].split()[0]}" if m["per"] > 1 or m["unit"] != "iteration" else "")
     if m.get("mfu"):
-        text += f" · {_fmt_pct(m['mfu'])}"
+        text += f" · {_fmt_pct(m['mfu'], decimals=0)}"
     if m.get("peak_gib") is not None and m["unit"] == "pair":
         text += f" · {m['peak_gib']:.1f} GiB"
     return text
