@@ -13,7 +13,7 @@ import pytest
 from hpcnft.common.errors import UsageError
 from hpcnft.io.rundir_lock import RunDirInUse, acquire
 from hpcnft.run.submit import SLURM_COMMANDS, submit
-from tests.jobs import hpcnft
+from jobs import hpcnft
 
 
 def test_a_run_dir_in_use_is_refused_before_anything_is_submitted(tmp_path):
