@@ -10,7 +10,25 @@ from hpcnft.bench.shapes import Shapes, _torch
 def _fmt_ms(s):
     if s is None:
         return "—"
+    if s < 1e-4:  # a tiny shape's call: 0.0 ms would say nothing
+        return f"{s * 1e6:.1f} µs"
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def _fmt_rate(flops_per_s: float) -> str:
+    """FLOP/s in the largest unit up to TFLOP/s that keeps it at 1 or more, with at least three
+    significant digits: tiny shapes on a CPU run at GFLOP/s, which whole TFLOP/s show as 0."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("FLOP/s", 1)):
+        if flops_per_s >= scale:
+            break
+    value = flops_per_s / scale
+    return f"{value:.{max(0, 3 - len(str(int(value))))}f} {unit}"
+
+
+def _fmt_pct(fraction: float, decimals: int = 1) -> str:
+    """A share as a percentage: `decimals` decimals, or two significant digits below 1 % (tiny shapes)."""
+    pct = fraction * 100
+    return f"{pct:.{decimals}f} %" if pct >= 1 or pct == 0 else f"{pct:.2g} %"
 
 
 def targets(doc: dict, S: Shapes) -> dict:
@@ -74,7 +92,7 @@ def _cell(m: dict | None) -> str:
         return "error"
     text = _fmt_ms(m["per_unit_s"]) + (f"/{m['unit'].split()[0]}" if m["per"] > 1 or m["unit"] != "iteration" else "")
     if m.get("mfu"):
-        text += f" · {m['mfu'] * 100:.0f} %"
+        text += f" · {_fmt_pct(m['mfu'], decimals=0)}"
     if m.get("peak_gib") is not None and m["unit"] == "pair":
         text += f" · {m['peak_gib']:.1f} GiB"
     return text
@@ -91,7 +109,7 @@ def _change_table(recs, name: str, base: str, digits: int, title: str) -> list[s
             if "error" in m:
                 lines.append(f"| {rec[name]} | {n} | error | | | |")
                 continue
-            mfu = f"{m['mfu'] * 100:.1f} %" if m.get("mfu") else ""
+            mfu = _fmt_pct(m["mfu"]) if m.get("mfu") else ""
             vs = m.get(f"speedup_vs_{base}")
             lines.append(f"| {rec[name]} | {n} | {_fmt_ms(m['per_unit_s'])} | {mfu} | {m.get('peak_gib', 0):.1f} | "
                          + (f"{vs:.{digits}f}× |" if vs else "— |"))
@@ -106,7 +124,7 @@ def markdown(doc: dict) -> str:
     names += sorted({n for c in cols for n in st[c]["phases"]} - set(names))
     env = doc["environment"]
     lines = [f"`{doc['command']}` on {env['device']} (torch {env['torch']}), {doc['date']}; "
-             f"ceiling: {doc.get('ceiling_what', '')} = {doc.get('ceiling_tflops', 0):.4g} TFLOP/s. "
+             f"ceiling: {doc.get('ceiling_what', '')} = {_fmt_rate(doc.get('ceiling_tflops', 0) * 1e12)}. "
              "Cells: time per unit · MFU against that ceiling (FLOPs counted over the phase) · peak memory.", "",
              "| phase | " + " | ".join(st[c]["label"] for c in cols)
              + " | fast vs eager | flow_grpo time / nft time, fast |",

@@ -11,7 +11,7 @@ import time
 from hpcnft.bench.eager import EagerStack
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import run_caps
-from hpcnft.bench.report import _fmt_ms, environment, targets
+from hpcnft.bench.report import _fmt_ms, _fmt_pct, _fmt_rate, environment, targets
 from hpcnft.bench.shapes import TRAIN_K, Shapes, _torch
 from hpcnft.bench.stack import HpcnftStack, _toml
 from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
@@ -85,7 +85,7 @@ class Bench:
             m["mfu"] = m["flops"] / m["s"] / self.ceiling
         rec["phases"][name] = m
         self.log(f"{rec['key']:<16} {name:<18} {_fmt_ms(m['s']):>10} per call, {_fmt_ms(m['per_unit_s']):>10} per "
-                 f"{unit}" + (f", {m['tflops']:.0f} TFLOP/s, MFU {m['mfu'] * 100:.1f} %" if m.get("mfu") else "")
+                 f"{unit}" + (f", {_fmt_rate(m['flops'] / m['s'])}, MFU {_fmt_pct(m['mfu'])}" if m.get("mfu") else "")
                  + (f", peak {m['peak_gib']:.1f} GiB" if "peak_gib" in m else ""))
         self.save()
         return m

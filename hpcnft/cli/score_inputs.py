@@ -1,5 +1,5 @@
-"""What `hpcnft score` scores: image files (PNG, JPEG or whatever else Pillow reads) with the
-prompt of each, and the cells of a run's sample grids (RUN_DIR/samples/step_*.png) with the
+"""What `hpcnft score` scores: image files (PNG, JPEG or whatever else Pillow reads, 16-bit and
+transparent ones as `to_rgb` says) with the prompt of each, and the cells of a run's sample grids (RUN_DIR/samples/step_*.png) with the
 prompt each cell was generated from, found from the run's config and topology in its run.h5.
 Every problem is a UsageError of one line naming the file."""
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Scored:
 
 
 def read_image(path: str) -> np.ndarray:
-    """The file's pixels as uint8 RGB [H, W, 3]."""
+    """The file's pixels as uint8 RGB [H, W, 3] (`to_rgb`)."""
     from PIL import Image, UnidentifiedImageError
 
     if os.path.isdir(path):
@@ -39,11 +39,35 @@ def read_image(path: str) -> np.ndarray:
                 raise UsageError(f"{path}: {im.width}x{im.height} pixels is more than hpcnft scores "
                                  f"({MAX_PIXELS} pixels)")
             im.load()  # decoded here: a truncated file fails now, as one line
-            return np.asarray(im.convert("RGB"), dtype=np.uint8)
+            return to_rgb(im, path)
     except UsageError:
         raise
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise UsageError(f"{path}: not an image file Pillow can read ({first_line(e, type(e).__name__)})") from None
+
+
+def to_rgb(im, path: str) -> np.ndarray:
+    """A decoded image as uint8 RGB. 16-bit greyscale (Pillow's I;16, which convert("RGB") clips
+    to white) keeps its high byte, as Pillow reads 16-bit colour PNGs; 32-bit integer and float
+    pixels have no one 8-bit reading and are refused. Transparency (an alpha band, or a PNG's
+    transparent colour) is composited onto white, as the terms' official preprocessing does
+    (transformers' CLIP processor, PaddleOCR and RapidOCR), where convert("RGB") would drop it."""
+    from PIL import Image
+
+    if im.mode.startswith("I;16"):
+        wide = np.asarray(im).astype(np.uint16)  # the file's byte order, as numbers
+        grey = Image.fromarray((wide >> 8).astype(np.uint8), "L")
+        clear = im.info.get("transparency")
+        if isinstance(clear, int):  # a 16-bit transparent grey level
+            grey.putalpha(Image.fromarray(np.where(wide == clear, 0, 255).astype(np.uint8), "L"))
+        im = grey
+    elif im.mode in ("I", "F"):
+        kind = "32-bit integer" if im.mode == "I" else "floating-point"
+        raise UsageError(f"{path}: {kind} pixels (Pillow mode {im.mode}); hpcnft scores 8- or 16-bit images")
+    if "A" in im.getbands() or "transparency" in im.info:
+        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        im = Image.alpha_composite(white, im.convert("RGBA"))
+    return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
 def run_of_grid(path: str) -> str | None:
@@ -115,8 +139,8 @@ def inputs(paths: list[str], prompt: str | None, prompts_file: str | None) -> li
     prompts = read_prompts(prompt, prompts_file, len(files))
     if files and prompts is None:
         raise UsageError(f"no prompt for {files[0]}: give --prompt TEXT or --prompts FILE")
-    by_file = dict(zip(files, prompts or []))
+    next_prompt = iter(prompts or [])  # by position: a file named twice takes a prompt each time
     out: list[Scored] = []
     for path in paths:
-        out += grid_cells(path, grids[path]) if grids[path] else [Scored(path, by_file[path], read_image(path))]
+        out += grid_cells(path, grids[path]) if grids[path] else [Scored(path, next(next_prompt), read_image(path))]
     return out

@@ -1,16 +1,18 @@
-"""`hpcnft submit`: the run's arguments plus submitit's resources; --wait follows the job."""
+"""`hpcnft submit`: the run's arguments plus submitit's resources; --dry-run shows what would be
+submitted, --wait follows the job."""
 from __future__ import annotations
 
+import shlex
 import sys
 import time
 
 from hpcnft.cli.run import add_arguments as add_run_arguments
-from hpcnft.run.submit import submit
+from hpcnft.run.submit import CLUSTERS, prepare
 
 
 def add_arguments(name: str, p) -> None:
     add_run_arguments("run", p)
-    p.add_argument("--cluster", default="slurm", help="slurm, local or debug (in this process)")
+    p.add_argument("--cluster", default="slurm", help=f"{', '.join(CLUSTERS)} (debug: in this process)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--tasks-per-node", type=int, default=3, help="ranks per node (default 3: 2 train + 1 reward)")
     p.add_argument("--gpus-per-node", type=int, default=0)
@@ -20,15 +22,26 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--account")
     p.add_argument("--mem-gb", type=float)
     p.add_argument("--folder", help="submitit's folder (default RUN_DIR/submitit)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the submission and print its sbatch script (submitit's parameters for local "
+                        "and debug), creating and submitting nothing")
     p.add_argument("--wait", action="store_true", help="follow the job until it ends")
 
 
 def main(name: str, args) -> int:
-    job = submit(args.recipe, args.cluster, args.overrides, args.run_dir, args.steps, args.nodes,
-                 args.tasks_per_node, args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
-                 args.account, args.mem_gb, args.folder)
-    run_dir = job.submission().args[2] if hasattr(job, "submission") else args.run_dir
-    print(f"submitted job {job.job_id} | run dir {run_dir}", flush=True)
+    submission = prepare(args.recipe, args.cluster, args.overrides, args.run_dir, args.steps, args.nodes,
+                         args.tasks_per_node, args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
+                         args.account, args.mem_gb, args.folder)
+    if args.dry_run:
+        print(submission.preview(), end="", flush=True)
+        sets = [word for item in submission.overrides for word in ("--set", item)]
+        steps = [] if submission.steps is None else ["--steps", str(submission.steps)]
+        print(f"hpcnft submit: dry run, nothing created or submitted; its tasks are the ranks of "
+              f"{shlex.join(['hpcnft', 'run', submission.recipe, '--run-dir', submission.run_dir, *sets, *steps])}",
+              file=sys.stderr)
+        return 0
+    job = submission.submit()
+    print(f"submitted job {job.job_id} | run dir {submission.run_dir}", flush=True)
     if not args.wait:
         return 0
     return follow(job)

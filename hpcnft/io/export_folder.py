@@ -2,7 +2,8 @@
 and then only if it holds nothing but what an export writes (an earlier export, or nothing), so
 that a mistyped OUT never costs a run dir or other files. The export is written into a fresh
 folder beside OUT and renamed into place once complete: a failed export leaves OUT as it was (or
-absent), never half written."""
+absent), never half written. Its folder and files take their modes from the umask of the process
+that writes them, as `cp` would (`_modes_of_the_umask`; docs/hardening.md says why)."""
 from __future__ import annotations
 
 import contextlib
@@ -49,10 +50,21 @@ def written_beside(out: str):
     os.mkdir(new)
     try:
         yield new
+        _modes_of_the_umask(new)
         _swap_in(new, final)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
+
+
+def _modes_of_the_umask(folder: str) -> None:
+    """Every file written into `folder` gets the mode the process's umask gives a new file, as the
+    folder itself has: safetensors writes its files 0600 whatever the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, 0o666 & ~mask)
 
 
 def _swap_in(new: str, final: str) -> None:

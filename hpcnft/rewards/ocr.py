@@ -6,9 +6,11 @@ provider is installed.
 
 The recognizer is set up as the official code's `PaddleOCR(use_angle_cls=False, lang="en")`
 (paddleocr 2.9.1) runs: the image as the array it is given (the official code passes the RGB
-array, which PaddleOCR and RapidOCR both take as BGR), text detection on the image at most 960
-pixels on its longer side with PaddleOCR's DB settings (`PADDLE_SETTINGS`), no angle
-classifier, recognition at height 48 in batches of 6, lines of confidence below 0.5 dropped.
+array, which PaddleOCR and RapidOCR both take as BGR), text detection on the image resized to at
+most 960 pixels on its longer side whatever its size (`keep_the_detectors_limit`) with
+PaddleOCR's DB settings (`PADDLE_SETTINGS`), the lines cut from the image as given (never first
+shrunk), no angle classifier, recognition at height 48 in batches of 6, lines of confidence
+below 0.5 dropped.
 Where it still differs (the models, the runtime): docs/rewards.md.
 
 Determinism: every ONNX Runtime session runs its graph sequentially on determinism.cpu_threads
@@ -36,11 +38,14 @@ from hpcnft.rewards.base import as_uint8_numpy
 # det_db_thresh, det_db_box_thresh, det_db_unclip_ratio, use_dilation, det_db_score_mode, the
 # detector's NormalizeImage, rec_image_shape, rec_batch_num, drop_score), as RapidOCR's keywords;
 # RapidOCR's own defaults differ (its detector upscales to 736 pixels on the shorter side).
+# max_side_len: RapidOCR shrinks an image over 2000 px before anything else, PaddleOCR never
+# (hpcnft's images are at most 8192 px a side).
 PADDLE_SETTINGS = {
     "det_limit_side_len": 960, "det_limit_type": "max", "det_thresh": 0.3, "det_box_thresh": 0.6,
     "det_unclip_ratio": 1.5, "det_donot_use_dilation": True, "det_score_mode": "fast",
     "det_mean": [0.485, 0.456, 0.406], "det_std": [0.229, 0.224, 0.225],
     "rec_img_shape": [3, 48, 320], "rec_batch_num": 6, "text_score": 0.5, "use_cls": False,
+    "max_side_len": 1 << 30,
 }
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -81,6 +86,7 @@ def build_engine(device: torch.device, threads: int):
 
     cv2.setNumThreads(threads)
     engine = RapidOCR(intra_op_num_threads=1, inter_op_num_threads=1, **PADDLE_SETTINGS)
+    keep_the_detectors_limit(engine.text_det)
     chosen = providers(device, ort.get_available_providers())
     if device.type == "cuda" and chosen[0] == CPU:
         log.info("ocr: onnxruntime's CUDA provider is not installed here (onnxruntime-gpu): recognizing on the CPU")
@@ -90,6 +96,19 @@ def build_engine(device: torch.device, threads: int):
         wrapper.session = ort.InferenceSession(paths[section], sess_options=session_options(threads),
                                                providers=chosen)
     return engine
+
+
+def keep_the_detectors_limit(detector) -> None:
+    """Detection on the image resized to at most det_limit_side_len (960) px on its longer side,
+    whatever its size, as PaddleOCR's DetResizeForTest does. RapidOCR's detector ignores its limit
+    in `max` mode and picks 960, 1500 or 2000 px by the image's size: a large image was detected
+    at twice the official scale, where large letters are lost."""
+    from rapidocr_onnxruntime.ch_ppocr_det.utils import DetPreProcess
+
+    def official(longer_side: int) -> DetPreProcess:
+        return DetPreProcess(detector.limit_side_len, detector.limit_type, detector.mean, detector.std)
+
+    detector.get_preprocess = official
 
 
 def model_paths() -> dict[str, str]:

@@ -32,7 +32,7 @@ def test_killing_a_rank_ends_the_job_naming_it(tmp_path, victim, role):
     rows_before = read_run(run_dir).metrics["train/nft_loss"].shape[0]
     os.kill(rank_pids(proc.pid)[victim], signal.SIGKILL)
     out, err = proc.communicate(timeout=120)  # a job that outlives its dead rank is a hang
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + signal.SIGKILL, err  # the job's code names the signal (docs/run_file.md)
     assert f"rank {victim} ({role}) failed: killed by SIGKILL" in err
     # last, how to go on (no checkpoint yet at step 2: tiny's come every 5 steps)
     assert err.splitlines()[-1] == f"hpcnft: no checkpoint was written: `hpcnft run tiny --run-dir {run_dir} " \
@@ -44,6 +44,20 @@ def test_killing_a_rank_ends_the_job_naming_it(tmp_path, victim, role):
     last = int(run.metrics["train/nft_loss"][-1, 0])
     errors = [e["step"] for e in run.events if e["kind"] == "error"]
     assert errors and all(last <= step <= last + 1 for step in errors), (last, errors)
+
+
+def test_under_torchrun_a_killed_rank_ends_the_job_with_torchruns_code(tmp_path):
+    """torchrun, not hpcnft, decides the job's code: 1 for any failed rank (docs/run_file.md)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+               "-m", "hpcnft", "run", "tiny", "--steps", "20", "--run-dir", str(tmp_path / "torchrun")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "step 2/20")
+    ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "hpcnft" in " ".join(p.cmdline())}
+    ranks[1].kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Signal 9 (SIGKILL) received by PID" in err, err[-3000:]
 
 
 def still_running(procs: list[psutil.Process]) -> list[psutil.Process]:

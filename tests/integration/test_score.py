@@ -48,6 +48,20 @@ def test_a_drawn_sign_scores_high_and_noise_low_with_the_ocr_term(tmp_path):
     assert r.stderr == ""
 
 
+def test_a_16_bit_and_a_transparent_sign_read_as_they_look(tmp_path):
+    """Once read as white (16-bit greyscale) and as black on black (alpha dropped): both scored 0."""
+    pytest.importorskip("rapidocr_onnxruntime")
+    grey = np.asarray(Image.open(sign(tmp_path / "sign.png")).convert("L"))
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "deep.png")
+    clear = np.zeros((512, 512, 4), np.uint8)  # black ink on a transparent field that is black beneath
+    clear[..., 3] = 255 - grey
+    Image.fromarray(clear, "RGBA").save(tmp_path / "clear.png")
+    files = [str(tmp_path / "deep.png"), str(tmp_path / "clear.png")]
+    r = hpcnft("score", "--term", "ocr", "--prompt", OPEN_LATE, *files)
+    scores = [float(line.split()[2]) for line in r.stdout.strip().splitlines()]
+    assert min(scores) >= 0.9, r.stdout
+
+
 def test_a_runs_sample_grid_is_scored_against_the_prompts_of_its_cells(tiny_run, tmp_path):
     grid = os.path.join(tiny_run.run_dir, "samples", "step_000001.png")
     files = [noise(tmp_path / "a.png"), noise(tmp_path / "b.png")]

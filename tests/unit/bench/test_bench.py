@@ -223,3 +223,31 @@ def test_a_phase_whose_flop_count_runs_out_of_memory_keeps_its_time(tmp_path):
     counted = bench.phase(rec, "free", lambda: (lambda: torch.ones(2, 3) @ torch.ones(3, 4), contextlib.nullcontext),
                           "call", 1, warm=0, reps=1)
     assert counted["flops"] == 2 * 2 * 3 * 4 and "flops_error" not in counted
+
+
+def test_a_tiny_phase_prints_its_rate_and_mfu_in_units_that_show_them(tmp_path, capsys):
+    import argparse
+    import contextlib
+    import re
+
+    from hpcnft.bench.report import _cell
+    from hpcnft.bench.run import Bench
+    from hpcnft.bench.shapes import tiny_shapes
+
+    args = argparse.Namespace(argv=["--shapes", "tiny"], budget_s=None, json=None)
+    bench = Bench(args, tiny_shapes(), torch.device("cpu"))
+    bench.doc["ceiling_tflops"] = measure_matmul(torch.device("cpu"), torch.float32, n=256)["flops_per_s"] / 1e12
+    a, b = torch.ones(16, 32), torch.ones(32, 8)
+    m = bench.phase({"key": "tiny", "phases": {}}, "matmul", lambda: (lambda: a @ b, contextlib.nullcontext),
+                    "call", 1, warm=1, reps=3)
+    line = capsys.readouterr().err.splitlines()[-1]
+    rate = re.search(r", ([0-9.]+) ([kMGT]?FLOP/s), MFU ([0-9.e-]+) %", line)
+    assert rate and float(rate.group(1)) > 0 and float(rate.group(3)) > 0, line  # never "0 TFLOP/s"
+    assert rate.group(2) != "TFLOP/s" and " 0.0 ms per call" not in line, line
+    cell_mfu = re.search(r" · ([0-9.e-]+) %$", _cell(m))  # the report's table cell
+    assert cell_mfu and float(cell_mfu.group(1)) > 0, _cell(m)
+    from hpcnft.bench.report import _fmt_pct, _fmt_rate
+
+    assert [_fmt_rate(v) for v in (4.567e9, 12.34e9, 3.2e7, 0.35e12, 650.4e12, 1979e12)] == [
+        "4.57 GFLOP/s", "12.3 GFLOP/s", "32.0 MFLOP/s", "350 GFLOP/s", "650 TFLOP/s", "1979 TFLOP/s"]
+    assert [_fmt_pct(f) for f in (0.00034, 0.0123, 0.45678)] == ["0.034 %", "1.2 %", "45.7 %"]

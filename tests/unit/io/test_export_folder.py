@@ -69,3 +69,24 @@ def test_a_failed_export_leaves_out_as_it_was(tmp_path):
         with written_beside(str(tmp_path / "fresh")):
             raise KeyboardInterrupt
     assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("umask, file_mode, folder_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700),
+                                                           (0o002, 0o664, 0o775)])
+def test_the_export_takes_its_modes_from_the_umask_whatever_safetensors_writes(tmp_path, umask, file_mode,
+                                                                                folder_mode):
+    import torch
+    from safetensors.torch import save_file
+
+    out = str(tmp_path / "lora")
+    old = os.umask(umask)
+    try:
+        with written_beside(out) as new:
+            save_file({"w": torch.ones(2)}, os.path.join(new, "pytorch_lora_weights.safetensors"))  # as diffusers
+            with open(os.path.join(new, "config.json"), "w") as f:  # as save_pretrained writes its config
+                f.write("{}")
+    finally:
+        os.umask(old)
+    assert {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)} == {
+        "pytorch_lora_weights.safetensors": file_mode, "config.json": file_mode}
+    assert os.stat(out).st_mode & 0o777 == folder_mode

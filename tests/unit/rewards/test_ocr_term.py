@@ -94,6 +94,45 @@ def test_the_sessions_run_on_the_configured_threads_in_order(term):
             det.postprocess_op.dilation_kernel) == (960, "max", 0.6, 1.5, None)
 
 
+def paddle_detection_size(h: int, w: int, limit: int = 960) -> tuple[int, int]:
+    """The detector's input size in the official call: PaddleOCR 2.9's DetResizeForTest
+    (resize_image_type0) with limit_type "max", transcribed."""
+    ratio = float(limit) / max(h, w) if max(h, w) > limit else 1.0
+    return max(int(round(int(h * ratio) / 32) * 32), 32), max(int(round(int(w * ratio) / 32) * 32), 32)
+
+
+class Recording:
+    """The detector's session, passed through, keeping the shape of each input."""
+
+    def __init__(self, inner):
+        self.inner, self.shapes = inner, []
+
+    def __call__(self, x):
+        self.shapes.append(tuple(x.shape[2:]))
+        return self.inner(x)
+
+
+def test_the_detector_sees_the_image_at_most_960_pixels_a_side_whatever_its_size(term):
+    det = term.engine.text_det
+    recording = det.infer = Recording(det.infer)
+    sizes = [(4096, 4096), (2400, 1800), (1024, 1024), (1200, 700), (700, 1900), (512, 512), (300, 200)]
+    try:
+        for h, w in sizes:
+            ocr.read(term.engine, np.full((h, w, 3), 230, np.uint8))
+    finally:
+        det.infer = recording.inner
+    # RapidOCR's own choice: 2000 for the first two (after shrinking them to 2000), 1500 for the next three
+    assert recording.shapes == [paddle_detection_size(h, w) for h, w in sizes]
+
+
+def test_large_letters_on_a_4096_pixel_image_are_read(term):
+    """Detected at 2000 px, as RapidOCR chose, these scored 0 and 0.25."""
+    signs = [("LATE", 1300, (50, 1200)), ("OPEN", 1100, (150, 1400))]
+    scores = term([f'a sign that says "{text}"' for text, *_ in signs],
+                  np.stack([drawn(text, size, xy, side=4096) for text, size, xy in signs]))
+    assert (scores >= 0.9).all(), scores
+
+
 def test_cuda_is_used_only_where_its_provider_is_installed():
     cuda = torch.device("cuda", 1)
     assert ocr.providers(cuda, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
