@@ -111,6 +111,16 @@ def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0) ->
     sampler = Sampler(proc.pid)
     sampler.start()
     marks, lines = {}, []
+    try:
+        return _follow(report, label, proc, sampler, t0, marks, lines, preempt_at)
+    finally:
+        if proc.poll() is None:  # this tool stopped (its own time limit): the job must not outlive it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        sampler.stop.set()
+
+
+def _follow(report: Report, label: str, proc, sampler, t0: float, marks: dict, lines: list, preempt_at: int) -> dict:
     for line in proc.stdout:
         now = time.perf_counter() - t0
         lines.append(line.rstrip())

@@ -256,9 +256,17 @@ def _shadow_state(policy, shadow: list[torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def _trained_state(model) -> dict:
+    """The model's trained weights: its state dict without the frozen weights and without its
+    buffers, which the model folder and config give (SD3.5-M's position table alone is 0.9 GB)."""
+    state = get_model_state_dict(model, options=MODEL_OPTIONS)
+    buffers = {name.replace("_orig_mod.", "") for name, _ in model.named_buffers()}
+    return {k: v for k, v in state.items() if k.replace("_orig_mod.", "") not in buffers}
+
+
 def _state(policy, optimizer) -> dict:
     model = policy.transformer
-    state = {"model": get_model_state_dict(model, options=MODEL_OPTIONS),
+    state = {"model": _trained_state(model),
              "old_policy": _shadow_state(policy, policy.shadow),
              "optim": get_optimizer_state_dict(model, optimizer, options=MODEL_OPTIONS)}
     if policy.eval_shadow is not None:  # eval.policy="ema" (a config key a resume cannot change)

@@ -1,6 +1,5 @@
-"""A train rank's job from start (or resume) to finish: wire the models, policy, trainer and
-reward client; resume; iterate, evaluate and checkpoint on schedule; stop on preemption and
-requeue; close the run file."""
+"""A train rank's job from start (or resume) to finish: its parts wired (run.train_rank), resume,
+iterate, evaluate and checkpoint on schedule, stop on preemption and requeue, close the run file."""
 from __future__ import annotations
 
 import os
@@ -11,69 +10,19 @@ import torch
 import torch.distributed as dist
 
 from hpcnft import __version__
-from hpcnft.algo.algorithms import algorithm_for
-from hpcnft.algo.iteration import Learner
-from hpcnft.algo.policy import Policy
-from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns, term_columns
+from hpcnft.algo.reward import term_columns
 from hpcnft.common import collector, determinism
 from hpcnft.algo.root_config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
-from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, RewardOutage, RewardServiceError
+from hpcnft.distributed.reward_service import RewardOutage, RewardServiceError
 from hpcnft.io.checkpointer import Checkpointer
 from hpcnft.io.trackers import TrackerGroup
-from hpcnft.models.load_turns import load_turn
-from hpcnft.models.loading import base_family, resolve_model_paths
-from hpcnft.perf import levers
 from hpcnft.rewards.registry import training_terms
 from hpcnft.run.output import claim_first_failure, fail_line, log, print_err, progress_line, reward_header, save_grid
 from hpcnft.run.resume import ResumePlan
 from hpcnft.run.rundir import finished_line
-
-
-def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> Learner:
-    determinism.seed_globals(cfg.train.seed)
-    paths = resolve_model_paths(cfg)
-    family = base_family(cfg)
-    offload = cfg.perf.text_encoders == "offload"
-    # On a GPU the text encoders are read straight into the compute dtype (the same values as a
-    # cast of their fp32 copy); the DiT is read in fp32 and cast by Policy, after its adapters
-    # are made, so the LoRA init has the same bits wherever the base comes from.
-    half = topo.device.type == "cuda" and cfg.train.precision != "fp32"
-    encoders_dtype = (torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16) if half else None
-    with load_turn(cfg.run_dir, take_turns(cfg, topo, paths.base, say)):
-        pipe = family.load(paths.base, torch.float32, topo.device, torch.device("cpu") if offload else None,
-                           encoders_dtype)
-        policy = Policy(cfg, pipe.transformer, topo.device, mesh)
-    levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
-    if topo.role == "colocated":
-        client = LocalRewardClient(make_score_fn(cfg, load_terms(cfg, topo.device)),
-                                   overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
-    else:
-        client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s,
-                                    reply_columns(cfg))
-    algorithm = algorithm_for(cfg)  # algo.name: DiffusionNFT's or Flow-GRPO's sampler, batch and trainer
-    trainer = algorithm.make_trainer(policy, group, len(topo.train_ranks))
-    return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer, algorithm)
-
-
-def take_turns(cfg: Config, topo, base: str, say) -> bool:
-    """Whether this host's train ranks load their base transformer one at a time
-    (layout.stagger_loads); rank 0 says so when they do."""
-    import psutil
-
-    from hpcnft.models.load_turns import fp32_bytes, turns_needed
-
-    host = topo.hosts[topo.rank] if topo.hosts else ""
-    peers = sum(1 for r in topo.train_ranks if not topo.hosts or topo.hosts[r] == host)
-    if peers < 2 or cfg.layout.stagger_loads == "never":
-        return False
-    per_rank, available = fp32_bytes(base), psutil.virtual_memory().available
-    take = turns_needed(cfg.layout.stagger_loads, per_rank, peers, available)
-    if take:
-        say(f"the train ranks of a host load the base transformer one at a time ({peers} x "
-            f"{per_rank / 2**30:.1f} GiB in fp32 beside {available / 2**30:.0f} GiB available; layout.stagger_loads)")
-    return take
+from hpcnft.run.train_rank import build_train_rank
 
 
 class TrainJob:

@@ -38,3 +38,29 @@ def test_the_tool_measures_a_run_its_preemption_resume_comparison_and_export(tin
     assert got["compare"]["rc"] == 0 and got["compare"]["out"].startswith("same:")
     assert got["export"]["rc"] == 0 and got["export"]["diffusers_load_rc"] == 0
     assert os.path.exists(os.path.splitext(out)[0] + ".log")
+
+
+def test_the_tool_stopped_by_its_time_limit_takes_its_job_with_it(tiny_models, tmp_path):
+    """`timeout -s INT` ends the tool mid-run: no rank of the job may outlive it (they would hold
+    the GPU for the next command)."""
+    import signal
+
+    import psutil
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    os.symlink(tiny_models[0], weights / "sd35m")
+    os.symlink(tiny_models[1], weights / "pickscore")
+    tool = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "real_scale_job.py"), "--model", "sd35m",
+                             "--recipe", "tiny", "--weights", str(weights), "--runs", str(tmp_path / "runs"), "--out",
+                             str(tmp_path / "out" / "job.json"), "--steps", "50", "--cpu", "--phases", "run"],
+                            stdout=subprocess.PIPE, text=True)
+    for line in tool.stdout:
+        if "step 1/50" in line:
+            break
+    ranks = [p for p in psutil.Process(tool.pid).children(recursive=True) if p.name().startswith("hpcnft-rank-")]
+    assert len(ranks) == 3
+    tool.send_signal(signal.SIGINT)
+    tool.wait(timeout=60)
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, alive

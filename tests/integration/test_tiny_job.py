@@ -66,6 +66,16 @@ def test_show_summarises_the_run(tiny_run):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_holds_the_trained_weights_and_none_of_the_dits_buffers(tiny_run):
+    """The LoRA weights alone: no frozen weight and no buffer, which the folder and the config give
+    (SD3's position table: 0.9 GB of SD3.5-M's checkpoints before)."""
+    from hpcnft.io.checkpoint import SafeReader
+
+    meta = SafeReader(os.path.join(tiny_run.run_dir, "checkpoints", "step_000003")).read_metadata()
+    saved = {k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)
+
+
 def test_same_command_twice_is_bit_identical(tiny_run, tiny_run_again):
     assert_same_metrics(tiny_run.run_dir, tiny_run_again.run_dir)
 

@@ -11,7 +11,6 @@ import types
 
 import pytest
 
-from hpcnft.algo.root_config import load_config
 
 
 
