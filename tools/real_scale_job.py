@@ -56,26 +56,12 @@ class Report:
 class Sampler(threading.Thread):
     """Every second: each rank's host RSS (/proc) and GPU memory (nvidia-smi), kept at their peaks."""
 
-    def __init__(self, root_pid: int):
+    def __init__(self, run_dir: str):
         super().__init__(daemon=True)
-        self.root, self.stop, self.rss, self.gpu = root_pid, threading.Event(), {}, {}
+        self.run_dir, self.stop, self.rss, self.gpu = os.path.abspath(run_dir), threading.Event(), {}, {}
 
     def ranks(self) -> dict[int, str]:
-        """The job's ranks by pid: the processes named hpcnft-rank-N (hpcnft.distributed.spawner)."""
-        import psutil
-
-        found = {}
-        try:
-            for p in psutil.Process(self.root).children(recursive=True):
-                try:
-                    m = re.fullmatch(r"hpcnft-rank-(\d+)", p.name())
-                except psutil.Error:
-                    continue
-                if m:
-                    found[p.pid] = f"rank{m.group(1)}"
-        except psutil.Error:
-            pass
-        return found
+        return job_ranks(self.run_dir)
 
     def run(self) -> None:
         import psutil
@@ -103,12 +89,30 @@ class Sampler(threading.Thread):
         return {"host_rss_gib": gib(self.rss), "gpu_gib": gib(self.gpu)}
 
 
+def job_ranks(run_dir: str) -> dict[int, str]:
+    """The job's ranks by pid: the processes named hpcnft-rank-N (hpcnft.distributed.spawner) that
+    hold a file of the run dir open (their logs), wherever the process tree put them."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["name"]):
+        m = re.fullmatch(r"hpcnft-rank-(\d+)", p.info["name"] or "")
+        if not m:
+            continue
+        try:
+            if any(f.path.startswith(run_dir + os.sep) for f in p.open_files()):
+                found[p.pid] = f"rank{m.group(1)}"
+        except psutil.Error:
+            continue
+    return found
+
+
 def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0) -> dict:
     """One `hpcnft run`; its lines timed; SIGUSR2 to the command once step `preempt_at - 1` is printed."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             start_new_session=True)
-    sampler = Sampler(proc.pid)
+    sampler = Sampler(argv[argv.index("--run-dir") + 1])
     sampler.start()
     marks, lines = {}, []
     try:

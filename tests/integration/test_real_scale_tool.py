@@ -58,7 +58,9 @@ def test_the_tool_stopped_by_its_time_limit_takes_its_job_with_it(tiny_models, t
     for line in tool.stdout:
         if "step 1/50" in line:
             break
-    ranks = [p for p in psutil.Process(tool.pid).children(recursive=True) if p.name().startswith("hpcnft-rank-")]
+    run_dir = str(tmp_path / "runs" / "full")
+    ranks = [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("hpcnft-rank-")
+             and any(f.path.startswith(run_dir + os.sep) for f in p.open_files())]  # their logs
     assert len(ranks) == 3
     tool.send_signal(signal.SIGINT)
     tool.wait(timeout=60)
