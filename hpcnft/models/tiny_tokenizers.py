@@ -88,21 +88,27 @@ def train_clip_bpe(texts: list[str], num_merges: int = 400) -> tuple[dict[str, i
     return {t: i for i, t in enumerate(vocab_list)}, [f"{a} {b}" for a, b in merges]
 
 
-def make_clip_tokenizer(out_dir: str, texts: list[str], pad_token: str = "<|endoftext|>"):
-    """Write vocab.json + merges.txt (CLIP's on-disk format) and load them with
-    CLIPTokenizer.from_pretrained, which then also writes tokenizer.json on save."""
-    from transformers import CLIPTokenizer
-
-    vocab, merges = train_clip_bpe(texts)
+def write_clip_bpe(out_dir: str, vocab: dict[str, int], merges: list[str], pad_token: str,
+                   model_max_length: int = 77) -> None:
+    """CLIP's on-disk tokenizer: vocab.json, merges.txt and a tokenizer_config.json."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
     with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "pad_token": pad_token,
+        json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": model_max_length, "pad_token": pad_token,
                    "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>",
                    "unk_token": "<|endoftext|>", "do_lower_case": True}, f, indent=2)
+
+
+def make_clip_tokenizer(out_dir: str, texts: list[str], pad_token: str = "<|endoftext|>"):
+    """Write vocab.json + merges.txt (CLIP's on-disk format) and load them with
+    CLIPTokenizer.from_pretrained, which then also writes tokenizer.json on save."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = train_clip_bpe(texts)
+    write_clip_bpe(out_dir, vocab, merges, pad_token)
     tok = CLIPTokenizer.from_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return tok

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 
-from hpcnft.models.tiny_tokenizers import _bytes_to_unicode, finish_tokenizer_dir, t5_unigram_vocab, train_clip_bpe
+from hpcnft.models.tiny_tokenizers import (_bytes_to_unicode, finish_tokenizer_dir, t5_unigram_vocab, train_clip_bpe,
+                                            write_clip_bpe)
 
 CLIP_VOCAB = 49408
 T5_PIECES, T5_SENTINELS = 32000, 100
@@ -45,15 +46,7 @@ def write_clip_tokenizer(out_dir: str, texts: list[str], pad_token: str = "<|end
     from transformers import CLIPTokenizer
 
     vocab, merges = clip_bpe(texts)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "CLIPTokenizer", "model_max_length": model_max_length, "pad_token": pad_token,
-                   "bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-                   "do_lower_case": True}, f, indent=2)
+    write_clip_bpe(out_dir, vocab, merges, pad_token, model_max_length)
     tok = CLIPTokenizer.from_pretrained(out_dir)
     keep = os.path.join(out_dir, ".bpe")
     os.makedirs(keep, exist_ok=True)
