@@ -21,7 +21,6 @@ import json
 import os
 import warnings
 import pickle  # only through AllowListUnpickler
-import re
 import shutil
 from dataclasses import dataclass
 from typing import Callable
@@ -37,9 +36,9 @@ from torch.distributed.tensor import DTensor
 from hpcnft.common import determinism
 from hpcnft.common.errors import first_line, one_line
 from hpcnft.common.safe_pickle import AllowListUnpickler
+from hpcnft.io.checkpoint_dirs import (COMPLETE, STEP_DIR, checkpoint_root, file_problems,  # noqa: F401 (the
+                                       list_checkpoints, partial_dir, read_json, step_dir)  # checkpoint API)
 
-COMPLETE = "COMPLETE"
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights come from disk
 
@@ -100,18 +99,6 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def step_dir(run_dir: str, step: int) -> str:
-    return os.path.join(checkpoint_root(run_dir), f"step_{step:06d}")
-
-
-def partial_dir(run_dir: str, step: int) -> str:
-    return step_dir(run_dir, step) + ".partial"
 
 
 def rng_path(ckpt_dir: str, rank: int) -> str:
@@ -183,11 +170,9 @@ def problems(path: str) -> str | None:
     """Why the checkpoint at `path` must not be loaded, or None when it is complete. Reading
     it executes nothing: the metadata goes through an allow-list unpickler, the non-tensor
     items of the shards and the RNG states through weights-only / allow-list loaders."""
-    if not os.path.exists(os.path.join(path, COMPLETE)):
-        return "no COMPLETE marker"
-    for name in ("trainer_state.json", "config.json", ".metadata"):
-        if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} is missing"
+    why = file_problems(path)
+    if why:
+        return why
     try:
         meta = SafeReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata disqualifies it
@@ -196,32 +181,7 @@ def problems(path: str) -> str | None:
         why = _shard_problems(path, meta) or _rng_problems(path)
     except Exception as e:  # noqa: BLE001 - metadata of the wrong shape, unreadable files
         why = f"unreadable checkpoint ({_reason(e)})"
-    if why:
-        return why
-    for name in ("trainer_state.json", "config.json"):
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError, RecursionError):
-            return f"{name} is unreadable"
-        if not isinstance(doc, dict):
-            return f"{name} is not a JSON object"
-    ts = read_json(path, "trainer_state.json")
-    if not (isinstance(ts.get("step"), int) and isinstance(ts.get("scaler"), dict)):
-        return "trainer_state.json lacks step or scaler"
-    return None
-
-
-def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    root = checkpoint_root(run_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = STEP_DIR.match(name)
-        if m:
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
+    return why or None
 
 
 def latest_usable(run_dir: str, warn) -> tuple[int, str] | None:
@@ -232,11 +192,6 @@ def latest_usable(run_dir: str, warn) -> tuple[int, str] | None:
             return step, path
         warn(f"skipping checkpoint {path}: {why}")
     return None
-
-
-def read_json(path: str, name: str) -> dict:
-    with open(os.path.join(path, name)) as f:
-        return json.load(f)
 
 
 # -- what is saved -------------------------------------------------------------------

@@ -167,3 +167,21 @@ def rebuild(run_h5: str, ckpt_dir: str) -> None:
             os.remove(tmp)
         why = str(e) if isinstance(e, RunFileError) else error_line(e)
         raise RunFileError(f"{run_h5}: cannot rebuild from {run_state_path(ckpt_dir)} ({why})") from None
+
+
+def run_file_trouble(path: str, run_id: str | None, step: int) -> tuple[str, str]:
+    """(why run.h5 cannot carry on from checkpoint `step`, the tag it is set aside with), or
+    ("", "") when it can. `run_id` is the checkpoints' run id (None: unknown, not compared)."""
+    if not os.path.lexists(path):
+        return "is missing", ""
+    try:
+        run = read_run(path)
+    except RunFileError as e:
+        return f"is damaged ({str(e).replace(path + ': ', '')})", "damaged"
+    theirs = run.attrs.get(RUN_ID)
+    if run_id is not None and theirs != run_id:
+        return f"belongs to another run (run id {theirs or 'none'}, the checkpoints' {run_id})", "other-run"
+    last = last_step(run)
+    if last < step:
+        return f"ends at step {last}, before the checkpoint of step {step}", "stale"
+    return "", ""

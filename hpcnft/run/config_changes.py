@@ -111,3 +111,11 @@ def differing_keys(a: dict, b: dict, ignore: set[str] = RESUME_MUTABLE_KEYS) -> 
     """The keys that differ between configs `a` and `b` and may not on resume: all but `ignore`
     and the warned ones (RESUME_WARNED_KEYS)."""
     return [c.key for c in config_changes(a, b, ignore) if not warned_on_resume(c.key)]
+
+
+def resume_refusal(run_dir: str, changes: list[Change]) -> str:
+    """The line refusing a resume whose config changed what is scored or trained ("" if none
+    did): said by the starting process, or by rank 0 under a launcher."""
+    refused = [c for c in changes if not warned_on_resume(c.key)]
+    return (f"cannot resume {run_dir}: the config differs from its checkpoint in {describe_changes(refused)}"
+            if refused else "")

@@ -11,8 +11,9 @@ import torch.distributed as dist
 from hpcnft.algo.root_config import Config, ConfigError
 from hpcnft.common.errors import one_line
 from hpcnft.io import checkpoint, run_state
-from hpcnft.io.runfile import RunFileError, read_run
-from hpcnft.run.config_changes import config_changes, describe_changes, warned_on_resume
+from hpcnft.io.run_state import run_file_trouble
+from hpcnft.io.runfile import read_run
+from hpcnft.run.config_changes import config_changes, describe_changes, resume_refusal
 
 
 class RunFileLostError(Exception):
@@ -56,10 +57,9 @@ def _check_config(cfg: Config, run_dir: str, path: str) -> str:
     what is scored or trained; the warning about the settings that may change (where and how
     patiently a remote term asks), "" when none did."""
     changes = config_changes(checkpoint.read_json(path, "config.json"), cfg.to_dict())
-    refused = [c for c in changes if not warned_on_resume(c.key)]
-    if refused:
-        raise ConfigError(f"cannot resume {run_dir}: the config differs from its checkpoint in "
-                          f"{describe_changes(refused)}")
+    refusal = resume_refusal(run_dir, changes)
+    if refusal:
+        raise ConfigError(refusal)
     if not changes:
         return ""
     return (f"resuming with settings changed since checkpoint {path}: {describe_changes(changes)} (a remote "
@@ -75,24 +75,6 @@ def check_resumable(cfg: Config, run_dir: str, warn) -> tuple[int, str] | None:
         if changed:
             warn(changed)
     return found
-
-
-def run_file_trouble(path: str, run_id: str | None, step: int) -> tuple[str, str]:
-    """(why run.h5 cannot carry on from checkpoint `step`, the tag it is set aside with), or
-    ("", "") when it can. `run_id` is the checkpoints' run id (None: unknown, not compared)."""
-    if not os.path.lexists(path):
-        return "is missing", ""
-    try:
-        run = read_run(path)
-    except RunFileError as e:
-        return f"is damaged ({str(e).replace(path + ': ', '')})", "damaged"
-    theirs = run.attrs.get(run_state.RUN_ID)
-    if run_id is not None and theirs != run_id:
-        return f"belongs to another run (run id {theirs or 'none'}, the checkpoints' {run_id})", "other-run"
-    last = run_state.last_step(run)
-    if last < step:
-        return f"ends at step {last}, before the checkpoint of step {step}", "stale"
-    return "", ""
 
 
 def _rebuild_source(run_dir: str, found: tuple[int, str]):

@@ -166,30 +166,49 @@ def finished_line(run_dir: str, step: int) -> str:
     return f"{run_dir} already finished at step {step}; nothing to run (--steps N with N > {step} continues it)"
 
 
-def check_existing_run(cfg) -> None:
-    """What the spawner checks of a run dir that already holds a run, without torch. With no
-    checkpoint, a readable run.h5 there must be a run file of this config, which the run appends
-    to (an unreadable one is set aside by rank 0: resume.agree_plan). With checkpoints, rank 0
-    plans the resume from them (it alone can tell an intact checkpoint from a damaged one) and
-    says, before any model loads, when the run is finished, when its config differs and when
-    run.h5 is lost with no copy to rebuild it from."""
+def check_existing_run(cfg) -> str:
+    """What the starting process decides of a run dir that already holds a run, without torch:
+    the line saying the run is finished ("" if not). With no checkpoint, a readable run.h5 there
+    must be a run file of this config, which the run appends to (an unreadable one is set aside
+    by rank 0: resume.agree_plan). With checkpoints, the newest committed one as files
+    (io.checkpoint_dirs) decides what needs no rank: a config that changed what is scored or
+    trained is refused, and a run whose checkpoint reached `steps` with a run.h5 that carries on
+    from it is finished. What needs torch (a checkpoint's shards, rebuilding run.h5) is rank 0's."""
     from hpcnft.common.errors import ConfigError
+    from hpcnft.io.checkpoint_dirs import checkpoint_root, newest_committed, read_json
+    from hpcnft.io.run_state import RUN_ID, run_file_trouble, run_state_path
     from hpcnft.io.runfile import RunFileError, read_run
-    from hpcnft.run.config_changes import differing_keys
+    from hpcnft.run.config_changes import config_changes, differing_keys, resume_refusal
 
     path = os.path.join(cfg.run_dir, "run.h5")
-    if not os.path.lexists(path) or os.path.isdir(os.path.join(cfg.run_dir, "checkpoints")):
-        return
+    if os.path.isdir(checkpoint_root(cfg.run_dir)):
+        found = newest_committed(cfg.run_dir)
+        if found is None:
+            return ""
+        refusal = resume_refusal(cfg.run_dir, config_changes(read_json(found[1], "config.json"), cfg.to_dict()))
+        if refusal:
+            raise UsageError(refusal)
+        if found[0] < cfg.steps:
+            return ""
+        try:
+            run_id = read_run(run_state_path(found[1])).attrs.get(RUN_ID)
+        except (RunFileError, ConfigError, OSError):
+            return ""  # rank 0 finds a checkpoint it can rebuild from, or says why not
+        why, _ = run_file_trouble(path, run_id, found[0])
+        return "" if why else finished_line(cfg.run_dir, found[0])
+    if not os.path.lexists(path):
+        return ""
     try:
         stored = read_run(path).config  # the run appends to it: it must be a run file of this schema
     except RunFileError:
-        return  # damaged (a write that failed halfway): rank 0 sets it aside and starts over
+        return ""  # damaged (a write that failed halfway): rank 0 sets it aside and starts over
     except ConfigError as e:
         raise UsageError(str(e)) from None
     diff = differing_keys(stored, cfg.to_dict())
     if diff:
         raise UsageError(f"run dir {cfg.run_dir!r} holds a run with another config "
                          f"({', '.join(diff[:5])}); choose another --run-dir")
+    return ""
 
 
 def check_run_dir(path: str) -> None:

@@ -71,7 +71,10 @@ def spawn_job(cfg, recipe: str, overrides: list[str], steps: int | None) -> int:
         print(f"hpcnft: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
-        check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        finished = check_existing_run(cfg)  # only now: the run dir's owner may be writing its run.h5
+        if finished:  # said before any rank starts
+            print(f"hpcnft: {finished}", flush=True)
+            return EXIT_OK
         code = spawn_ranks(cfg, recipe, overrides, steps, rank0_fd=(INHERITED_FD_ENV, lock.fd))
     finally:
         lock.release()

@@ -102,7 +102,8 @@ def test_a_finished_run_started_again_runs_nothing(tiny_run, tmp_path):
             in r.stdout.splitlines()), r.stdout
     assert not [line for line in r.stdout.splitlines() if line.startswith("step ")], r.stdout
     assert "finished 3 steps (" not in r.stdout
-    assert "loading the models" not in r.stdout  # rank 0 decides it from the checkpoints, before any model loads
+    # the starting process decides it from the checkpoint's files and run.h5: no rank starts
+    assert " rank(s): train " not in r.stdout and "loading the models" not in r.stdout, r.stdout
 
 
 def test_resume_with_another_learning_rate_is_refused(tiny_run, tmp_path):
@@ -113,6 +114,9 @@ def test_resume_with_another_learning_rate_is_refused(tiny_run, tmp_path):
     assert r.returncode == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "optim.lr" in lines[0], r.stderr
+    assert lines[0] == (f"hpcnft run: error: cannot resume {run_dir}: the config differs from its checkpoint in "
+                        "optim.lr (0.003 -> 0.01)")
+    assert " rank(s): train " not in r.stdout, r.stdout  # refused before any rank starts
     assert open(os.path.join(run_dir, "run.h5"), "rb").read() == before
 
 
