@@ -168,7 +168,7 @@ def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]
 def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
                 command: tuple[str, ...] = RANK_COMMAND,
                 rank0_fd: tuple[str, int] | None = None, fork: tuple[str, str] | None = None,
-                resume_hint: str = "", failure_claim=None) -> int:
+                resume_hint=None, failure_claim=None) -> int:
     """Run `python -P -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
@@ -179,7 +179,8 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     (preempt.catch_early kept it) starts none: `preempted_code`.
 
     A first SIGINT (Ctrl-C) reaches every rank, which checkpoints at the end of its step and
-    exits 130; a second one kills them at once, with `resume_hint` (how to resume) said.
+    exits 130; a second one kills them at once, with `resume_hint()` said (how to go on, as the
+    run dir stands then: from which checkpoint, or from the start).
     `failure_claim` (run.failures.FailureClaim of the run dir): the ranks' claim of the job's
     first failure; the spawner claims it for a rank killed by a signal (which cannot), and names
     its holder as the rank that failed rather than the first one it saw exit."""
@@ -244,8 +245,7 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                 interrupts_said = interrupts
                 say("interrupted: the ranks checkpoint at the end of the step under way and stop "
                     "(Ctrl-C again stops them at once)" if interrupts == 1 else
-                    "interrupted again: the ranks are stopped at once" +
-                    (f"; {resume_hint} resumes from the last checkpoint" if resume_hint else ""))
+                    "interrupted again: the ranks are stopped at once" + (f"; {resume_hint()}" if resume_hint else ""))
             # Every exit code is read in the same pass that decides the job is over: ranks that
             # fail together (a full disk, a dead peer) may all end within one poll interval.
             codes = [p.poll() for p in procs]

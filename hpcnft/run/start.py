@@ -115,7 +115,8 @@ def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0
     resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
     code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
                        lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, fork=fork,
-                       preempted_code=EXIT_PREEMPTED, resume_hint=f"`{resume}`", failure_claim=claim)
+                       preempted_code=EXIT_PREEMPTED, resume_hint=lambda: resume_line(cfg.run_dir, resume),
+                       failure_claim=claim)
     if code not in CHECKPOINTED_OR_REFUSED:  # a rank failed: the steps up to the last checkpoint are kept
         print(f"hpcnft: {resume_line(cfg.run_dir, resume)}", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -171,6 +172,25 @@ def test_ctrl_c_checkpoints_says_how_to_resume_once_and_that_command_resumes_bit
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and f"hpcnft: resuming after step {step} from" in again.stdout, again.stderr
     assert_same_metrics(tiny_run.run_dir, run_dir)
+
+
+def test_a_double_ctrl_c_before_any_checkpoint_says_the_command_starts_over(tmp_path):
+    """Stopped at once while the models load: nothing was checkpointed, and the line says so rather
+    than promising a resume."""
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcnft", "run", "tiny", "--run-dir", run_dir],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "loading the models")
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1)  # two signals sent together would arrive as one
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    again = [line for line in err.splitlines() if line.startswith("hpcnft: interrupted again")]
+    assert again == ["hpcnft: interrupted again: the ranks are stopped at once; no checkpoint was written: "
+                     f"`hpcnft run tiny --run-dir {run_dir} --steps 20` starts the run over"], err
+    assert not os.path.isdir(os.path.join(run_dir, "checkpoints")) or not os.listdir(
+        os.path.join(run_dir, "checkpoints"))
 
 
 def test_a_run_whose_output_reader_dies_checkpoints_its_step_and_stops(tmp_path):
