@@ -37,6 +37,16 @@ class PromptStream:
         return [self.at((step - 1) * per_step + i // per_prompt) for i in sample_ids]
 
 
+def pass_of(step: int, per_step: int, num_prompts: int) -> int:
+    """The pass over the prompts step k belongs to: that of its first prompt (0-based)."""
+    return ((step - 1) * per_step) // num_prompts
+
+
+def pass_last_step(p: int, per_step: int, num_prompts: int) -> int:
+    """The step that holds the last prompt of pass p, which ends it."""
+    return ((p + 1) * num_prompts - 1) // per_step + 1
+
+
 def train_stream(cfg) -> PromptStream:
     """The run's stream of training prompts (every rank holds its own copy)."""
     return PromptStream(read_prompt_file(cfg.data.train_prompts, "data.train_prompts"), cfg.data.shuffle,

@@ -19,7 +19,9 @@ from hpcnft.distributed.reward_service import RewardOutage, RewardServiceError
 from hpcnft.io.checkpointer import Checkpointer
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.rewards.registry import training_terms
-from hpcnft.run.output import claim_first_failure, fail_line, log, print_err, progress_line, reward_header, save_grid
+from hpcnft.algo.prompts import pass_last_step, pass_of
+from hpcnft.run.output import (claim_first_failure, eval_line, fail_line, log, pass_line, print_err, progress_line,
+                               reward_header, save_grid)
 from hpcnft.run.resume import ResumePlan
 from hpcnft.run.rundir import finished_line
 from hpcnft.run.train_rank import build_train_rank
@@ -47,6 +49,7 @@ class TrainJob:
         self.requeue_job = ""  # rank 0, preempted under Slurm: requeue this job once run.h5 is closed
         self.step = 0  # the step under way (0: before the first), for the step of an error event
         self.saved_step = 0  # the newest step with a checkpoint (0: none)
+        self.latest_eval: tuple[int, dict] | None = None  # rank 0: (step, eval/* metrics) of the newest evaluation
         self.trackers = TrackerGroup([], self._warn)  # rank 0 opens the configured ones (open_trackers)
         self.kept_through = -1  # the last step whose rows earlier starts wrote as run.h5 still holds them
 
@@ -188,7 +191,10 @@ class TrainJob:
             if start_step < cfg.steps:  # what the progress line's `reward` is
                 self.say(reward_header(cfg.reward.scale, training_terms(cfg)))
         if cfg.eval.at_start and start_step == 0:
-            self.log_row(0, self.tr.evaluate())
+            before = self.tr.evaluate()
+            self.log_row(0, before)
+            if self.writer:
+                self.say_lines(self.learning_lines(0, before))
         self.saved_step = start_step
         if self.evaluation_owed(start_step):  # its reward service was down when it was due
             self.log_row(start_step, self.tr.evaluate())
@@ -236,6 +242,35 @@ class TrainJob:
             if grid is not None:
                 self.trackers.log_image(step, "samples", save_grid(self.cfg.run_dir, step, *grid))
 
+    def say_lines(self, lines: list[str]) -> None:
+        for line in lines:
+            print(line, flush=True)
+            log.info(line)
+
+    def learning_lines(self, step: int, metrics: dict) -> list[str]:
+        """Rank 0: the evaluation's line when one ran, and at the end of a pass over the prompts
+        its mean training reward (run.h5's rows of the pass, earlier starts' too) with the latest
+        evaluation: whether the run learns, on the terminal."""
+        lines = []
+        if any(k.startswith("eval/") for k in metrics):
+            self.latest_eval = (step, {k: v for k, v in metrics.items() if k.startswith("eval/")})
+            lines.append(eval_line(step, metrics))
+        per_step, n = self.cfg.rollout.prompts_per_step, len(self.tr.stream.prompts)
+        p = pass_of(step, per_step, n)
+        if step == 0 or step != pass_last_step(p, per_step, n):
+            return lines
+        first = pass_last_step(p - 1, per_step, n) + 1 if p else 1
+        rows = self.writer.rows_between(first - 1, step)
+        rewards = [r["rollout/reward/raw_mean"] for r in rows.values() if "rollout/reward/raw_mean" in r]
+        if self.latest_eval is None:  # an earlier start's evaluation
+            evals = {s: {k: v for k, v in r.items() if k.startswith("eval/")} for s, r in
+                     self.writer.rows_between(-1, step).items()}
+            found = [(s, e) for s, e in evals.items() if e]
+            self.latest_eval = found[-1] if found else None
+        if rewards:
+            lines.append(pass_line(p, first, step, sum(rewards) / len(rewards), self.latest_eval))
+        return lines
+
     def checkpoint_due(self, step: int) -> bool:
         cfg = self.cfg
         return bool((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or
@@ -258,8 +293,7 @@ class TrainJob:
             self.log_row(step, metrics, grid)
             if self.writer:
                 line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
-                print(line, flush=True)
-                log.info(line)
+                self.say_lines([line, *self.learning_lines(step, metrics)])
             if lost is not None:
                 return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")
             stop = self.stop_requested()

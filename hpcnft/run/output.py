@@ -70,6 +70,25 @@ def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, fi
             f"| {m['perf/iteration_s']:.1f} s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
 
 
+def eval_line(step: int, m: dict[str, float]) -> str:
+    """`eval at step 8 | pickscore 0.1234 ± 0.0567`: an evaluation's terms, as run.h5 has them."""
+    terms = sorted(k[len("eval/"):-len("_mean")] for k in m if k.startswith("eval/") and k.endswith("_mean"))
+    parts = [f"{t} {m[f'eval/{t}_mean']:.4f} ± {m.get(f'eval/{t}_std', float('nan')):.4f}" for t in terms]
+    return f"eval at step {step} | " + " | ".join(parts)
+
+
+def pass_line(p: int, first: int, last: int, reward: float, latest_eval: tuple[int, dict] | None) -> str:
+    """`pass 1 over the prompts (steps 1-8) | reward -4.1020 | eval -4.0710 at step 8`: what the
+    README's per-pass tables and `hpcnft plot --smooth epoch` show, as the run goes."""
+    line = f"pass {p + 1} over the prompts (steps {first}-{last}) | reward {reward:.4f}"
+    if latest_eval:
+        step, m = latest_eval
+        means = [f"{k[len('eval/'):-len('_mean')]} {v:.4f}" for k, v in sorted(m.items())
+                 if k.startswith("eval/") and k.endswith("_mean")]
+        line += f" | eval {', '.join(means)} at step {step}"
+    return line
+
+
 # What each kind's score is, for the line that says what the progress line's reward means
 TERM_MEANING = {"pickscore": "PickScore", "hpsv2": "HPS v2.1", "clipscore": "CLIP score",
                 "aesthetic": "LAION aesthetic", "jpeg_compressibility": "-JPEG kB", "jpeg_incompressibility": "JPEG kB",

@@ -74,10 +74,10 @@ def steps_per_pass(recipe: str) -> int:
 def learn_recipe(tmp_path, scale: float) -> dict:
     run_dir = str(tmp_path / f"tiny_learns{scale:+.0f}")
     steps = LEARNS_PASSES * steps_per_pass("tiny_learns")
-    hpcnft("run", "tiny_learns", "--steps", str(steps), "--run-dir", run_dir, "--set", f"reward.scale={scale}",
-           "--set", "eval.every=0", "--set", "eval.at_start=false", "--set", "eval.at_end=false",
-           "--set", "logging.sample_grid_every=0", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")
-    return read_run(run_dir).metrics
+    r = hpcnft("run", "tiny_learns", "--steps", str(steps), "--run-dir", run_dir, "--set", f"reward.scale={scale}",
+               "--set", "eval.every=0", "--set", "eval.at_start=false", "--set", "eval.at_end=false",
+               "--set", "logging.sample_grid_every=0", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")
+    return {**read_run(run_dir).metrics, "stdout": r.stdout}
 
 
 def per_pass(rows: np.ndarray, per_pass_steps: int) -> np.ndarray:
@@ -94,6 +94,10 @@ def test_tiny_learns_raises_jpeg_compressibility_per_pass_and_the_negated_reward
     # clearly: the last pass's mean is above the first's by more than the spread of one step's samples
     spread = up["rollout/reward/raw_std"][:, 1].mean()
     assert passes[-1] - passes[0] > spread, (passes, spread)
+    # the terminal says it as it goes: a line at the end of each pass, its mean as run.h5's rows give it
+    said = [line for line in up["stdout"].splitlines() if line.startswith("pass ")]
+    assert said == [f"pass {p + 1} over the prompts (steps {p * per_pass_steps + 1}-{(p + 1) * per_pass_steps}) "
+                    f"| reward {mean:.4f}" for p, mean in enumerate(passes)], up["stdout"]
 
     down = learn_recipe(tmp_path, -1.0)
     passes_down = per_pass(down[COMPRESSIBILITY], per_pass_steps)

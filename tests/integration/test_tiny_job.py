@@ -45,6 +45,10 @@ def test_the_terminal_shows_loading_progress_and_a_closing_summary(tiny_run):
     assert lines.index("hpcnft: loading the models") < lines.index([x for x in lines if x.startswith("step 1/3")][0])
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 2/3", "step 3/3"]
     assert all(re.search(r"\| ETA \d\d:\d\d:\d\d$", line) for line in lines if line.startswith("step "))
+    # the evaluation at the end says what run.h5 holds of it, after its step's line
+    m = read_run(tiny_run.run_dir).metrics
+    said = f"eval at step 3 | pickscore {m['eval/pickscore_mean'][-1, 1]:.4f} ± {m['eval/pickscore_std'][-1, 1]:.4f}"
+    assert lines.index(said) == lines.index([x for x in lines if x.startswith("step 3/3")][0]) + 1, tiny_run.stdout
 
 
 def test_nft_invariants_hold(tiny_run):
