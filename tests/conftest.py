@@ -30,7 +30,7 @@ import pytest
 
 from jobs import FinishedRun, shared_result, start_tiny_run
 
-TIERS = ("slow", "hpc", "gpu")
+from tiers import COUNTS, TIERS
 
 
 def pytest_configure(config):
@@ -58,6 +58,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.default)
         hpc = item.get_closest_marker("hpc") is not None
         item.add_marker(pytest.mark.xdist_group("hpc" if hpc else item.nodeid.split("::")[0]))
+    if config.args_source != pytest.Config.ArgsSource.ARGS:  # the whole tree: the README's counts hold it
+        config.stash[COUNTS] = {**{tier: sum(1 for item in items if item.get_closest_marker(tier))
+                                   for tier in ("default", *TIERS)}, "all": len(items)}
 
 
 @pytest.fixture(autouse=True)

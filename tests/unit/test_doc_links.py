@@ -242,8 +242,8 @@ def test_ci_runs_the_test_tiers_the_readme_gives():
     pytest_line = next(line for line in ci.splitlines() if "python3 -m pytest" in line)
     for words in re.findall(r'-m "[^"]+"|-n \d+|--dist \w+', command):
         assert words in pytest_line, words
-    assert "python3 -m pip install -e '.[test]' && python3 -m pytest\n" in text
-    assert "-e '.[test]'" in ci
+    assert "python3 -m pip install -e '.[test,ocr]' && python3 -m pytest\n" in text  # no OCR test skips
+    assert "-e '.[test]'" in ci and "-e '.[ocr]'" in ci
 
 
 def test_python_calls_the_pages_show_exist():
@@ -266,3 +266,20 @@ def test_python_calls_the_pages_show_exist():
             if not callable(obj):
                 missing.append(f"{rel(page)}: {name}")
     assert missing == []
+
+
+def test_the_readme_gives_each_tiers_test_count_as_the_collection_has_it(pytestconfig):
+    """The Testing table's counts are what collecting the whole tree gives (a run that names files
+    collects part of it, and cannot tell)."""
+    from tiers import COUNTS
+
+    TIER_COUNTS = pytestconfig.stash.get(COUNTS, None)
+    if not TIER_COUNTS:
+        pytest.skip("this session did not collect the whole tree")
+    rows = {}
+    for line in README.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 5 and cells[3].isdigit():
+            rows[cells[0].split(" ")[0]] = int(cells[3])
+    assert rows == {"default": TIER_COUNTS["default"], "slow": TIER_COUNTS["slow"], "hpc": TIER_COUNTS["hpc"],
+                    "gpu": TIER_COUNTS["gpu"], "all": TIER_COUNTS["all"]}, TIER_COUNTS
