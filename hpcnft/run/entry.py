@@ -4,9 +4,11 @@ line naming the rank, the traceback in its log), preemption 75."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -101,6 +103,22 @@ def stopped_before_start(flag: PreemptFlag, rank: int) -> int | None:
     return EXIT_INTERRUPTED if flag.interrupted else EXIT_PREEMPTED
 
 
+def refused(info: LaunchInfo, line: str) -> int:
+    """Bad input every rank meets alike, before the rendezvous: said once per node (by its first
+    rank), and left for torchrun's failure summary (TORCHELASTIC_ERROR_FILE) by every rank, so
+    that the rank torchrun names as the root cause gives hpcnft's reason, not a link to its docs."""
+    if info.local_rank == 0:
+        print_err(line)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": f"hpcnft: {line}", "timestamp": int(time.time())}, f)
+        except OSError:
+            pass  # the line is on the terminal already
+    return EXIT_BAD_INPUT
+
+
 def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str], flag: PreemptFlag) -> int:
     os.umask(int(cfg.umask, 8))  # run dirs, logs and checkpoints: private to the user by default (077)
     stopped = stopped_before_start(flag, info.rank)
@@ -112,9 +130,7 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         check_layout(cfg, info.world_size)
         groups.resolve_backend(cfg, groups.pick_device(cfg, info.local_rank))  # the device and backend here
     except (UsageError, ConfigError) as e:
-        if info.local_rank == 0:
-            print_err(str(e))
-        return EXIT_BAD_INPUT
+        return refused(info, str(e))
     try:
         # The tiny models are built (once, under a file lock) before the process group exists:
         # with a group up, transformers' save_pretrained writes nothing on ranks other than 0.
@@ -123,18 +139,14 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         check_model_folders(cfg, resolve_model_paths(cfg))  # headers against configs: no weight loads
         build_tiny_models(cfg)  # the reward terms' tiny models
     except BAD_INPUT as e:  # every rank of a node meets it alike: its first rank says it
-        if info.local_rank == 0:
-            print_err(f"rank {info.rank}: {type(e).__name__}: {e}")
-        return EXIT_BAD_INPUT
+        return refused(info, f"rank {info.rank}: {type(e).__name__}: {e}")
     stopped = stopped_before_start(flag, info.rank)
     if stopped is not None:
         return stopped
     try:
         topo, group, mesh = groups.setup(cfg, info)
     except ConfigError as e:
-        if info.local_rank == 0:
-            print_err(str(e))
-        return EXIT_BAD_INPUT
+        return refused(info, str(e))
     except groups.RendezvousError as e:
         print_err(str(e))
         return EXIT_FAILED

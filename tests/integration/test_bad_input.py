@@ -279,8 +279,10 @@ def test_under_a_launcher_a_layout_that_does_not_fit_is_refused_before_the_rende
         tmp_path, rank, said):
     """torchrun's variables for 4 ranks of which 3 train 16 samples: every rank exits 2 before
     loading anything or meeting its peers; rank 0 alone says why."""
+    error_file = tmp_path / "error.json"  # where torchrun has each worker leave its failure for its summary
     env = {**_env(tmp_path), "RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # nothing listens there
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",  # nothing listens there
+           "TORCHELASTIC_ERROR_FILE": str(error_file)}
     proc = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--run-dir", str(tmp_path / "run"),
                            "--set", "layout.train_ranks=3"], capture_output=True, text=True, timeout=120, env=env,
                           cwd=tmp_path)
@@ -288,6 +290,11 @@ def test_under_a_launcher_a_layout_that_does_not_fit_is_refused_before_the_rende
         _assert_one_line_exit_2(proc, ["16 samples per step", "3 train ranks"])
     else:
         assert (proc.returncode, proc.stderr) == (2, ""), proc.stderr
+    import json
+
+    # torchrun's summary names a root-cause rank: whichever it is, it gives hpcnft's reason
+    message = json.loads(error_file.read_text())["message"]
+    assert message.startswith("hpcnft: rollout: 16 samples per step") and "3 train ranks" in message
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
 
 
