@@ -22,6 +22,11 @@ READ_BYTES = 1 << 20  # the most of a body taken from the connection's buffer at
 WRITE_TIMEOUT_S = 10.0  # for an answer to leave
 
 
+
+def not_here(method: str, path: str) -> str:
+    """A 404's reason: what was asked, and the two things this server answers."""
+    return f"no {method} {path[:80]} here: this server answers GET {HEALTH_PATH} and POST {SCORE_PREFIX}<term>"
+
 class BodyTooSlow(Exception):
     """A body (or the rest of a refused one) did not keep pace: `got` bytes had come."""
 
@@ -78,7 +83,7 @@ class Exchange:
 
     async def get(self) -> None:
         if urlsplit(self.head.path).path != HEALTH_PATH:
-            return await self.error(Refused(HTTPStatus.NOT_FOUND, f"no such path (GET {HEALTH_PATH})"))
+            return await self.error(Refused(HTTPStatus.NOT_FOUND, not_here("GET", self.head.path)))
         await self.send(json_answer(HTTPStatus.OK, self.server.health()))
 
     def check_post(self) -> tuple[str, int]:
@@ -86,7 +91,7 @@ class Exchange:
         terms, headers = self.server.terms, self.head.headers
         path = urlsplit(self.head.path).path
         if not path.startswith(SCORE_PREFIX):
-            raise Refused(HTTPStatus.NOT_FOUND, f"no such path (POST {SCORE_PREFIX}<term>)")
+            raise Refused(HTTPStatus.NOT_FOUND, not_here("POST", path))
         name = path[len(SCORE_PREFIX):]
         if name not in terms:
             raise Refused(HTTPStatus.NOT_FOUND, f"no term {name!r} here (serving {', '.join(terms)})")

@@ -67,6 +67,17 @@ def health(port: int) -> dict:
     return json.loads(r.read())
 
 
+def test_an_unknown_get_names_itself_and_what_the_server_answers():
+    with running({"ocr": zero_term}) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/v1/healthz")
+        answer = conn.getresponse()
+        error = json.loads(answer.read())["error"]
+        conn.close()
+    assert (answer.status, error) == (404, "no GET /v1/healthz here: this server answers GET /v1/health and "
+                                           "POST /v1/score/<term>")
+
+
 def test_health_lists_the_terms_and_scoring_answers_json():
     with running({"ocr": zero_term, "geneval": zero_term}) as server:
         assert health(server.port) == {"terms": ["ocr", "geneval"], "requests": 0, "waiting": 0, "body_bytes": 0,
@@ -256,7 +267,8 @@ OCR = "/v1/score/ocr"
 
 
 @pytest.mark.parametrize("path,content_type,length,status,needle", [
-    ("/no/such/path", CONTENT_TYPE, 100 << 20, 404, "no such path"),
+    ("/no/such/path", CONTENT_TYPE, 100 << 20, 404,
+     "no POST /no/such/path here: this server answers GET /v1/health and POST /v1/score/<term>"),
     ("/v1/score/vlm", CONTENT_TYPE, 100 << 20, 404, "no term 'vlm'"),
     (OCR, "text/plain", 100 << 20, 400, "Content-Type must be"),
     (OCR, CONTENT_TYPE, 4097, 413, "more than 4096 bytes"),
