@@ -36,6 +36,14 @@ def hpcnft(*args: str) -> list[str]:
     return [sys.executable, "-m", "hpcnft", *args]
 
 
+# A launcher's variables (an allocation's shell, torchrun's or submitit's exports) would make `hpcnft
+# run` one rank of that launcher's job; this tool measures the job its local spawner starts.
+LAUNCHER_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "SUBMITIT_")
+LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "HPCNFT_LAUNCHER"}
+ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
+
+
 class Report:
     def __init__(self, path: str, progress: str):
         self.path, self.progress, self.data = path, progress, {}
@@ -111,7 +119,7 @@ def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0) ->
     """One `hpcnft run`; its lines timed; SIGUSR2 to the command once step `preempt_at - 1` is printed."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True, env=ENV)
     sampler = Sampler(argv[argv.index("--run-dir") + 1])
     sampler.start()
     marks, lines = {}, []
@@ -205,7 +213,7 @@ def main() -> int:
                 continue
             t0 = time.perf_counter()
             res = subprocess.run(hpcnft("make-weights", name, folder, "--device", "cuda"), capture_output=True, text=True,
-                                 cwd=REPO)
+                                 cwd=REPO, env=ENV)
             report.say(res.stdout + res.stderr)
             made[name] = {"rc": res.returncode, "s": round(time.perf_counter() - t0, 1),
                           "gib": round(sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder)
@@ -227,23 +235,24 @@ def main() -> int:
         again = run_job(report, "resumed", hpcnft("run", args.recipe, "--steps", str(args.steps), "--run-dir", cut,
                                                   *flags))
         report.put("resumed", {**again, **(run_facts(cut) if again["rc"] == 0 else {})})
-        cmp = subprocess.run(hpcnft("compare", full, cut), capture_output=True, text=True, cwd=REPO)
+        cmp = subprocess.run(hpcnft("compare", full, cut), capture_output=True, text=True, cwd=REPO, env=ENV)
         report.put("compare", {"rc": cmp.returncode, "out": (cmp.stdout + cmp.stderr)[-2000:]})
     if "export" in phases:
         out = os.path.join(args.runs, "export")
-        res = subprocess.run(hpcnft("export", full, out, "--force"), capture_output=True, text=True, cwd=REPO)
+        res = subprocess.run(hpcnft("export", full, out, "--force"), capture_output=True, text=True, cwd=REPO, env=ENV)
         probe = ("import sys, torch, diffusers; p = getattr(diffusers, sys.argv[1]).from_pretrained(sys.argv[2], "
                  "torch_dtype=torch.float16); p.load_lora_weights(sys.argv[3]); "
                  "print('adapters', p.transformer.active_adapters() if hasattr(p.transformer, 'active_adapters') else '?')")
         pipe = "FluxPipeline" if family == "flux" else "StableDiffusion3Pipeline"
-        load = subprocess.run([sys.executable, "-c", probe, pipe, base, out], capture_output=True, text=True, cwd=REPO)
+        load = subprocess.run([sys.executable, "-c", probe, pipe, base, out], capture_output=True, text=True, cwd=REPO,
+                              env=ENV)
         report.put("export", {"rc": res.returncode, "out": (res.stdout + res.stderr)[-800:],
                               "diffusers_load_rc": load.returncode, "diffusers_load": (load.stdout + load.stderr)[-800:]})
     if "bench" in phases and args.bench:
         bench_json = os.path.splitext(args.out)[0] + "-bench.json"
         t0 = time.perf_counter()
         res = subprocess.run(hpcnft("bench", *args.bench.split(), "--json", bench_json), capture_output=True,
-                             text=True, cwd=REPO)
+                             text=True, cwd=REPO, env=ENV)
         report.put("bench", {"rc": res.returncode, "s": round(time.perf_counter() - t0, 1), "json": bench_json,
                              "tail": (res.stdout + res.stderr)[-1500:]})
     return 0

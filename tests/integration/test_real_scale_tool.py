@@ -21,10 +21,14 @@ def test_the_tool_measures_a_run_its_preemption_resume_comparison_and_export(tin
     os.symlink(tiny_models[0], weights / "sd35m")
     os.symlink(tiny_models[1], weights / "pickscore")
     out = tmp_path / "out" / "job.json"
+    # torchrun's variables, as an earlier in-process submitit job leaves them: the tool's job is the local
+    # spawner's all the same
+    launcher = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "real_scale_job.py"), "--model", "sd35m",
                         "--recipe", "tiny", "--weights", str(weights), "--runs", str(tmp_path / "runs"), "--out",
                         str(out), "--steps", "4", "--preempt-at", "3", "--cpu", "--phases", "make,run,resume,export",
-                        "--set", "checkpoint.every=2"], capture_output=True, text=True, timeout=600)
+                        "--set", "checkpoint.every=2"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **launcher})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())
     full, cut, again = got["full"], got["preempted"], got["resumed"]
