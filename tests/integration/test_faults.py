@@ -179,7 +179,8 @@ def test_a_double_ctrl_c_before_any_checkpoint_says_the_command_starts_over(tmp_
     than promising a resume."""
     run_dir = str(tmp_path / "run")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT") and not k.startswith("SLURM_")}
+                                                             "MASTER_PORT", "HPCNFT_LAUNCHER")
+           and not k.startswith("SLURM_")}
     proc = subprocess.Popen([sys.executable, "-m", "hpcnft", "run", "tiny", "--run-dir", run_dir], env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_line(proc, "loading the models")
