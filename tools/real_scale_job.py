@@ -26,6 +26,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from hpcnft.common.disk import folder_bytes  # noqa: E402 (the repository's package, beside this tool)
 BASES = {"sd35m": ("sd3", "models.sd3_dir"), "sd35l": ("sd3", "models.sd3_dir"),
          "flux1dev": ("flux", "models.flux_dir")}
 NCCL_ONE_GPU = ["layout.device=cuda", "layout.backend=nccl", "layout.emulate_hosts=true"]
@@ -160,7 +162,6 @@ def _follow(report: Report, label: str, proc, sampler, t0: float, marks: dict, l
 
 def run_facts(run_dir: str) -> dict:
     """What run.h5 and rank 0's log say of a run: each step's parts, the checkpoints."""
-    sys.path.insert(0, REPO)
     from hpcnft.io.runfile import read_run
 
     r = read_run(run_dir)
@@ -216,8 +217,7 @@ def main() -> int:
                                  cwd=REPO, env=ENV)
             report.say(res.stdout + res.stderr)
             made[name] = {"rc": res.returncode, "s": round(time.perf_counter() - t0, 1),
-                          "gib": round(sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder)
-                                           for f in fs) / 2**30, 2) if os.path.isdir(folder) else 0}
+                          "gib": round(folder_bytes(folder) / 2**30, 2)}
         report.put("make_weights", made)
     sets = [f"{key}={base}", f"models.pickscore_dir={pick}", "models.pickscore_processor_dir=",
             f"data.train_prompts={REPO}/hpcnft/data/tiny_train_prompts.txt",

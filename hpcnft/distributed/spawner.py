@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed import preempt
 from hpcnft.distributed.interpreter import module_command, python_env
 from hpcnft.distributed.launch import LOOPBACK, MASTER_LISTEN_FD_ENV
@@ -23,9 +24,7 @@ RANK_COMMAND = module_command("hpcnft.run.rank")
 FORK_SERVER_COMMAND = module_command("hpcnft.distributed.fork_server")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 SPAWNER_PID_ENV = preempt.SPAWNER_PID_ENV  # set by spawn_local for its ranks
-STOP_CODES = (75, 130)  # a rank's exit after a stop signal: preempted (checkpointed), interrupted
-UNAVAILABLE_CODE = 69  # a reward term's service stayed unreachable: the steps done checkpointed, stopped
-BAD_INPUT_CODE = 2
+STOP_CODES = (EXIT_PREEMPTED, EXIT_INTERRUPTED)  # a rank's exit after a stop signal, checkpointed
 PR_SET_NAME, PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 15, 1, 36
 
 
@@ -260,9 +259,9 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
                         say(f"{signal.Signals(-code).name} reached rank {rank} ({role_of(rank)}) before it could "
                             "checkpoint: nothing to save")
                     code = preempted_code
-                elif code in (*STOP_CODES, preempted_code, UNAVAILABLE_CODE):
+                elif code in (*STOP_CODES, preempted_code, EXIT_UNAVAILABLE):
                     pass  # checkpointed and stopped, as a stop signal asked or as rank 0 said
-                elif code == BAD_INPUT_CODE:
+                elif code == EXIT_BAD_INPUT:
                     pass  # refused on bad input, which every rank meets alike: one of them said it
                 else:
                     if code < 0 and failure_claim is not None:

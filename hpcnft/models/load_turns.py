@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import math
 import os
 import tempfile
 
@@ -18,14 +19,8 @@ def fp32_bytes(path: str, subfolder: str = "transformer") -> int:
     """The part's parameters x 4 bytes, from its safetensors headers (no weights read)."""
     from hpcnft.models.folder_check import read_header, weight_files
 
-    total = 0
-    for rel in weight_files("", path, subfolder):
-        for shape in read_header("", path, rel).values():
-            n = 1
-            for s in shape:
-                n *= s
-            total += n
-    return 4 * total
+    return 4 * sum(math.prod(shape) for rel in weight_files("", path, subfolder)
+                   for shape in read_header("", path, rel).values())
 
 
 def turns_needed(setting: str, per_rank: int, ranks_on_host: int, available: int) -> bool:

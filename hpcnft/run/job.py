@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hpcnft import __version__
 from hpcnft.algo.reward import term_columns
 from hpcnft.common import collector, determinism
+from hpcnft.common.disk import folder_bytes
 from hpcnft.algo.root_config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
@@ -348,10 +349,6 @@ class TrainJob:
                 (f"; `{self.resume_command}` resumes it" if self.resume_command else "")
             print(f"hpcnft: {how} at step {step}: checkpointed{then}", flush=True)
         return EXIT_INTERRUPTED if self.flag.interrupted else EXIT_PREEMPTED
-
-
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 def steps_text(n: int) -> str:

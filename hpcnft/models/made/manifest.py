@@ -10,6 +10,7 @@ its header. `python3 -m hpcnft.models.made.manifest` checks both for every manif
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -140,7 +141,7 @@ def shard_plan(component: dict, table: dict[str, list[int]]) -> list[Shard]:
     split = split_torch_state_dict_into_shards(fake, filename_pattern=stem + "{suffix}.safetensors",
                                                max_shard_size=component["max_shard_size"])
     width = DTYPE_BYTES[component["dtype"]]
-    return [Shard(f, list(names), sum(_numel(table[n]) for n in names) * width)
+    return [Shard(f, list(names), sum(math.prod(table[n]) for n in names) * width)
             for f, names in split.filename_to_tensors.items()]
 
 
@@ -148,15 +149,8 @@ def index_name(component: dict) -> str:
     return weights_name(component) + ".index.json"
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def parameters(table: dict[str, list[int]]) -> int:
-    return sum(_numel(s) for s in table.values())
+    return sum(math.prod(s) for s in table.values())
 
 
 # -- the check ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+from hpcnft.common.disk import folder_bytes
 from hpcnft.models.made import manifest as mf
 
 STORAGE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -101,10 +102,6 @@ def write_model_index(manifest: dict, root: str) -> None:
     with open(os.path.join(root, "model_index.json"), "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
-
-
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
 
 
 def make_folder(name: str, out: str, seed: int = 0, device: str = "cpu", say=print) -> Made:
