@@ -30,7 +30,10 @@
 #        + hdf5-tools (h5clear, to recover run files of killed SWMR writers)     [WITH_HDF5_TOOLS=1]
 #   2. writes DIR/etc/slurm.conf (+ slurmdbd.conf) and DIR/env.sh
 #   3. starts munged, [mariadbd (private datadir DIR/mysql), slurmdbd], slurmctld, slurmd
-#   4. waits until `sinfo` shows every node idle
+#   4. waits until `sinfo` shows every node idle; where no slurmctld and no slurmd ran before
+#      this start (a machine restarted under a running cluster), the jobs slurmctld recovers
+#      from DIR/state have no processes left: they are cancelled, as they would otherwise hold
+#      their nodes until slurmctld gives up on them (minutes)
 # stop     cancels this cluster's jobs, then kills only the PIDs in DIR/run/*.pid (and munged,
 #          through /run/munge/munged.pid, only if this script started it), newest first,
 #          waiting for each to exit. Never kills anything by name.
@@ -60,6 +63,8 @@
 #   LINK_ETC=1            symlink /etc/slurm/slurm.conf -> DIR/etc/slurm.conf (only if that path is
 #                         absent or already a symlink), so sbatch/srun/submitit need no SLURM_CONF
 #   CANCEL_JOBS_ON_STOP=1 scancel the cluster's jobs before stopping the daemons
+#   CANCEL_STALE_JOBS=1   scancel the jobs recovered by a start of a cluster none of whose
+#                         daemons was running (4. above)
 #
 # Files outside DIR it touches: /etc/slurm/slurm.conf (symlink), /etc/munge/munge.key (created by
 # the munge package), /run/munge (munged's socket and pid file), and with N > 1 /etc/hosts (its
@@ -246,19 +251,22 @@ slurmd_pidfiles() {  # NAME:PIDFILE of every slurmd this cluster runs (one per n
   return 0
 }
 
-do_stop() {
+cancel_jobs() {  # REASON: scancel every job squeue lists, saying REASON, and wait until none is left
   local jobs
+  jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ' || true)
+  [ -z "${jobs// /}" ] && return 0
+  log "cancelling jobs $1: $jobs"
+  # shellcheck disable=SC2086  # a list of job ids
+  scancel --full $jobs 2>/dev/null || true
+  for _ in $(seq 1 $(( (KILL_WAIT + 10) * 5 ))); do
+    [ -z "$(squeue -h -t PD,R,CG,S,CF -o %i 2>/dev/null)" ] && break; sleep 0.2
+  done
+}
+
+do_stop() {
   # cancel this cluster's jobs first, so no slurmstepd/job processes outlive slurmd
   if pid_alive "$RUN/slurmctld.pid" slurmctld && [ "${CANCEL_JOBS_ON_STOP:-1}" = 1 ]; then
-    jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ' || true)
-    if [ -n "${jobs// /}" ]; then
-      log "cancelling remaining jobs: $jobs"
-      # shellcheck disable=SC2086  # a list of job ids
-      scancel --full $jobs 2>/dev/null || true
-      for _ in $(seq 1 $(( (KILL_WAIT + 10) * 5 ))); do
-        [ -z "$(squeue -h -t PD,R,CG,S,CF -o %i 2>/dev/null)" ] && break; sleep 0.2
-      done
-    fi
+    cancel_jobs "left running"
   fi
   # Slurm daemons first (they need munge and slurmdbd to shut down cleanly), then the rest
   # shellcheck disable=SC2046  # one word per pid file
@@ -496,6 +504,11 @@ if [ "$WITH_ACCOUNTING" = 1 ]; then
   fi
 fi
 
+# no slurmctld and no slurmd alive: whatever jobs DIR/state recovers lost their processes
+STALE_JOBS=0
+if ! pid_alive "$RUN/slurmctld.pid" slurmctld && [ -z "$(for f in $(slurmd_pidfiles); do pid_alive "${f#*:}" slurmd && echo alive; done)" ]; then
+  STALE_JOBS=1
+fi
 if pid_alive "$RUN/slurmctld.pid" slurmctld; then
   [ "$CONF_CHANGED" = 1 ] && { log "slurm.conf changed: scontrol reconfigure (AuthInfo changes need 'restart')"; scontrol reconfigure || true; }
 else
@@ -546,6 +559,9 @@ for _ in $(seq 1 300); do
 done
 if [ "$ready" -lt "$NODES" ]; then
   log "nodes not ready ($states)"; tail -20 "$LOG/slurmctld.log" "$LOG"/slurmd*.log >&2; exit 1
+fi
+if [ "$STALE_JOBS" = 1 ] && [ "${CANCEL_STALE_JOBS:-1}" = 1 ]; then
+  cancel_jobs "recovered from a cluster that was not running"
 fi
 log "cluster ready: $states; total $(elapsed "$T_START")s; source $DIR/env.sh"
 sinfo

@@ -90,6 +90,17 @@ def _squeue_state(job_id: str) -> str | None:
     return lines[0].strip() if lines else None
 
 
+def cluster_queue() -> str:
+    """Every job squeue lists with its state and reason, and every node's state: what a job
+    that waits too long waits behind."""
+    try:
+        jobs = _run(["squeue", "-h", "-o", "%i %T %r %N"]).stdout.strip() or "(none)"
+        nodes = _run(["sinfo", "-h", "-N", "-o", "%N %T %E"]).stdout.strip() or "(none)"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(squeue/sinfo failed: {e})"
+    return f"jobs (id state reason nodes):\n{jobs}\nnodes (name state reason):\n{nodes}"
+
+
 def _scontrol_fields(job_id: str) -> dict[str, str]:
     p = _run(["scontrol", "show", "job", "-o", job_id])
     if p.returncode != 0:
@@ -157,9 +168,10 @@ def wait(job_id: str, timeout: float = 180) -> str:
         if state is None:
             break
         if time.monotonic() > deadline:
+            queue = cluster_queue()  # before the cancel: why it waited, and behind what
             _run(["scancel", job_id])
             raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s (cancelled); "
-                               f"output:\n{job_output(job_id)}")
+                               f"{queue}\noutput:\n{job_output(job_id)}")
         time.sleep(POLL_S)
     # squeue no longer lists it: the final state is in scontrol (MinJobAge) or, a moment
     # later, in accounting
