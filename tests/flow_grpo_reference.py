@@ -193,6 +193,16 @@ class PerPromptStatTracker:
 
 
 # -- yifan123/flow_grpo: scripts/train_sd3.py -------------------------------------------------------
+def advantages_of(prompts, rewards, num_image_per_prompt: int, global_std: bool):
+    """train_sd3.py's advantages: the per-prompt tracker, which it turns off with one image per
+    prompt (`if config.sample.num_image_per_prompt == 1: config.per_prompt_stat_tracking = False`),
+    then `(gathered_rewards['avg'] - gathered_rewards['avg'].mean()) / (gathered_rewards['avg'].std() + 1e-4)`."""
+    if num_image_per_prompt != 1:
+        return PerPromptStatTracker(global_std).update(prompts, rewards)
+    rewards = np.asarray(rewards, dtype=np.float64)
+    return (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+
+
 def compute_log_prob(transformer, scheduler, sample, j, embeds, pooled_embeds, cfg: bool, guidance_scale: float,
                      noise_level: float):
     if cfg:

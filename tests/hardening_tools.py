@@ -387,6 +387,7 @@ def resume_path(case_dir: str, config: dict) -> list[str]:
     from hpcnft.algo.root_config import config_from_dict
     from hpcnft.common.errors import UsageError
     from hpcnft.io import runfile
+    from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
     from hpcnft.io.run_writer import RunFileWriter
     from hpcnft.run.rundir import check_existing_run
 
@@ -407,7 +408,7 @@ def resume_path(case_dir: str, config: dict) -> list[str]:
         pass  # a FIFO: RunFileWriter must refuse it rather than block
     opened = False
     try:
-        w = RunFileWriter(path, cfg.to_json(), "fuzz")
+        w = RunFileWriter(path, cfg.to_json(), "fuzz", NFT_KEYS)
         opened = True
         try:
             w.set_topology({"world_size": 3})
@@ -429,7 +430,7 @@ def resume_path(case_dir: str, config: dict) -> list[str]:
         return problems
     try:  # a file the writer accepted and appended to must read back with the new row
         run = runfile.read_run(path)
-        if 2.0 not in run.metrics["train/nft_loss"][:, 0]:
+        if 2.0 not in run.metrics["train/grad_norm"][:, 0]:
             problems.append("the appended step 2 row did not read back")
     except BaseException:  # noqa: BLE001
         problems.append(f"read_run after a successful resume raised\n{traceback.format_exc()}")
@@ -568,10 +569,11 @@ def run_with_checkpoints(cfg, steps=(1, 2)) -> dict[int, str]:
     checkpoint holding CFG's config and its copy of run.h5 as the job writes it; returns
     {step: checkpoint dir}."""
     from hpcnft.io import run_state, runfile
+    from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
     from hpcnft.io.run_writer import RunFileWriter
 
     os.makedirs(cfg.run_dir)
-    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test")
+    w = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), "test", NFT_KEYS)
     ckpts = {}
     for step in steps:
         w.append_metrics(step, {k: step + 0.5 for k in runfile.PER_STEP_KEYS})
@@ -588,10 +590,11 @@ def writer_made_run(path: str, steps: int = 4) -> None:
     from hpcnft.algo.root_config import load_config
     from hpcnft.common import determinism
     from hpcnft.io import runfile
+    from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
     from hpcnft.io.run_writer import RunFileWriter
 
     cfg = load_config("tiny", steps=steps)
-    w = RunFileWriter(path, cfg.to_json(), "test")
+    w = RunFileWriter(path, cfg.to_json(), "test", NFT_KEYS)
     w.set_topology({"world_size": 3, "train_ranks": [0, 1], "reward_ranks": [2], "hosts": ["h"] * 3})
     w.truncate_after(-1)
     w.add_attempt({"started": "now", "from_step": 0, "slurm_job_id": "", "restart_count": 0})

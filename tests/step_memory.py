@@ -37,12 +37,12 @@ def main(size: int, cases: list[tuple[int, int]]) -> list[dict]:
     import torch
     from diffusers import SD3Transformer2DModel
 
-    from hpcnft.algo import nft
-    from hpcnft.algo.pairs import PairBatch
+    from hpcnft.algo.nft import formulas as nft
+    from hpcnft.algo.nft.pairs import PairBatch
     from hpcnft.algo.policy import Policy
     from hpcnft.algo.root_config import load_config
     from hpcnft.algo.sampler import sigma_grid
-    from hpcnft.algo.trainer import Trainer
+    from hpcnft.algo.nft.trainer import Trainer
     from hpcnft.bench.shapes import scheduler, world1_mesh
     from hpcnft.models.tiny import TINY_TRANSFORMER
 

@@ -1,17 +1,15 @@
-"""The algorithm's sections but `[nft]` and `[grpo]` (hpcnft.algo.nft_config, hpcnft.algo.grpo_config,
-beside each algorithm's math): `[algo]`, `[rollout]`, `[train]`, `[optim]`, `[ema]`, `[eval]`, with the
-vocabularies of their choices (hpcnft.algo.solvers keys its samplers by SOLVERS, hpcnft.algo.algorithms
-its algorithms by ALGORITHMS). No torch: the config imports it."""
+"""The sections every algorithm shares (each algorithm's own is in its folder, hpcnft.algo.registry):
+`[algo]`, `[rollout]`, `[train]`, `[optim]`, `[ema]`, `[eval]`, with the vocabularies of their
+choices (hpcnft.algo.solvers keys its samplers by SOLVERS). No torch: the config imports it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcnft.algo.registry import ALGORITHMS
 from hpcnft.common.config import setting
 from hpcnft.common.errors import ConfigError
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
-# algo.name: hpcnft.algo.algorithms.ALGORITHMS has one implementation for each (a test holds them)
-ALGORITHMS = ("nft", "flow_grpo")
 SOLVERS = ("euler", "dpm2")  # rollout.solver: algo.solvers.SOLVERS has one sampler for each (a test holds them)
 UINT8_ROUNDINGS = ("round", "truncate")
 FINETUNES = ("lora", "full")
@@ -23,9 +21,9 @@ ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 
 @dataclass
 class AlgoConfig:
-    name: str = setting("nft", "the RL algorithm: `nft` (DiffusionNFT; keys in `[nft]`, the old policy in `[ema]`) or "
-                               "`flow_grpo` (Flow-GRPO; keys in `[grpo]`); the other's keys are refused",
-                        choices=ALGORITHMS)
+    name: str = setting("nft", "the RL algorithm: `nft` (DiffusionNFT; keys in `[nft]`, the old policy in `[ema]`), "
+                               "`flow_grpo` (Flow-GRPO; keys in `[grpo]`); the keys only another algorithm reads "
+                               "are refused", choices=tuple(ALGORITHMS))
 
 
 @dataclass
@@ -113,3 +111,6 @@ class EvalConfig:
                                  "its own (official), checkpointed", choices=EVAL_POLICIES)
     ema_decay: float = setting(0.9, "`eval.policy = \"ema\"`: decay min((1 + k) / (10 + k), ema_decay) after "
                                     "optimizer step k", bound="[0, 1]")
+    ema_update_every: int = setting(1, "`eval.policy = \"ema\"`: the EMA moves after optimizer step k only where k + 1 "
+                                       "is a multiple of this (the official EMAModuleWrapper's update_step_interval; "
+                                       "Flow-GRPO's recipes: 8)", bound="> 0")

@@ -1,6 +1,7 @@
-"""One iteration on a train rank: rollout (sample, decode, reward), the algorithm's train step
-(DiffusionNFT's or Flow-GRPO's, hpcnft.algo.algorithms: what each samples with and keeps, its
-advantages and trainer) and the EMA update of pi_old; and the evaluation."""
+"""The iteration engine of a train rank: rollout (sample, decode, reward), the algorithm's train
+step (algo.name's, hpcnft.algo.protocol: how a chunk is sampled and what is kept, the advantages,
+the trainer) and the EMA update of pi_old; and the evaluation. It calls the algorithm and is never
+called back."""
 from __future__ import annotations
 
 import math
@@ -10,14 +11,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft.algo import nft
-from hpcnft.algo.algorithms import algorithm_for
+from hpcnft.algo import shared_math
+from hpcnft.algo.protocol import Algorithm, RolloutModels
 from hpcnft.algo.flops import count_dit_flops
 from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, grid_sample_ids, initial_noise
-from hpcnft.algo.solvers import sample
 from hpcnft.distributed.groups import Topology
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RewardOutage
 from hpcnft.models.families import family_of
@@ -61,14 +61,14 @@ class Rollout:
 
 
 class Learner:
-    """What a train rank learns with: the pipeline, policy, algorithm, trainer, prompt stream and
-    reward client."""
+    """What a train rank learns with: the pipeline, policy, algorithm (its trainer made), prompt
+    stream and reward client."""
 
-    def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy, trainer,
-                 algorithm=None):
+    def __init__(self, cfg: Config, topo: Topology, train_group, mesh, reward_client, pipe, policy,
+                 algorithm: Algorithm):
         self.cfg, self.topo, self.group, self.mesh = cfg, topo, train_group, mesh
-        self.client, self.pipe, self.policy, self.trainer = reward_client, pipe, policy, trainer
-        self.algorithm = algorithm or algorithm_for(cfg)
+        self.client, self.pipe, self.policy = reward_client, pipe, policy
+        self.algorithm, self.trainer = algorithm, algorithm.trainer
         self.stream = train_stream(cfg)
         self.eval_prompts = read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts")
         self.family = family_of(pipe.transformer)
@@ -84,16 +84,11 @@ class Learner:
         cond = self.encoder(self.stream.for_step(1, 1))
         self.flops = count_dit_flops(policy, self.latent_shape, cond.prompt_embeds, cond.pooled,
                                      cfg.rollout.guidance_scale)
+        self.models = RolloutModels(policy, self.encoder, self.sigmas, self.latent_shape, topo.device,
+                                    cfg.rollout.guidance_scale, cfg.rollout.integer_timesteps)
+        algorithm.bind(self.models)
 
     # -- rollout ---------------------------------------------------------------------------
-    def generate(self, prompts: list[str], sigmas, noise, solver: str) -> tuple[torch.Tensor, object]:
-        """The final latents of the ODE solver `solver` from `noise`, and the prompts' conditioning."""
-        cond = self.encoder(prompts)
-        noise = noise.to(self.topo.device, non_blocking=noise.is_pinned())
-        r = self.cfg.rollout
-        x0 = sample(solver, self.policy.transformer, noise, sigmas, cond, r.guidance_scale,
-                    self.policy.compute_dtype, self.policy.autocast, r.integer_timesteps)
-        return x0, cond
 
     def rollout(self, step: int) -> Rollout:
         cfg, g = self.cfg, self.cfg.rollout.samples_per_prompt
@@ -102,7 +97,7 @@ class Learner:
         parts = chunks(mine, cfg.rollout.batch_size)
         noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
                                        pin=self.topo.device.type == "cuda")
-        self.algorithm.begin_rollout(self, step, parts)
+        self.algorithm.begin_rollout(step, parts)
         # perf.text_encoders=offload: the step's prompts in one encoder pass, not one per chunk
         self.encoder.prepare(self.stream.for_samples(step, mine, cfg.rollout.prompts_per_step, g))
         x0s, pes, pools, imgs, pending, kept = [], [], [], [], [], []
@@ -110,8 +105,7 @@ class Learner:
             for chunk, noise in zip(parts, noises):
                 with span("rollout/sample"):
                     x0, cond, keep = self.algorithm.sample(
-                        self, self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g), noise.result(),
-                        chunk, step)
+                        self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g), noise.result(), step)
                 with span("rollout/decode"):
                     images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding, cfg.perf.vae_decode_batch)
                 with span("rollout/reward_submit"):
@@ -195,17 +189,15 @@ class Learner:
         ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
         k = algorithm.trained_steps()
-        batch = algorithm.train_batch(self, step, ro, rewards, mine)
+        batch = algorithm.train_batch(step, ro, rewards, self.step_prompts(step), mine)
         t_train = time.perf_counter()
         with span("train/step"):
             metrics = self.trainer.step(batch, self.sigmas, step)
         decay = algorithm.old_policy_decay(step)
-        with span("train/ema"):
+        with span("train/ema"):  # pi_old's (the evaluation EMA follows each optimizer step: train_base)
             self.policy.ema_update(decay)
-            if cfg.eval.policy == "ema":
-                self.policy.eval_ema_update(nft.eval_ema_decay(step, cfg.eval.ema_decay))
         t_end = time.perf_counter()
-        metrics.update({f"rollout/reward/{k}": v for k, v in nft.reward_stats(rewards).items()})
+        metrics.update({f"rollout/reward/{k}": v for k, v in shared_math.reward_stats(rewards).items()})
         if cfg.reward.terms:  # configured terms: each one's plain score beside the training reward
             scores = self.gather(ro.term_scores).to(torch.float64)
             for j, term in enumerate(term_columns(cfg)["rollout"]):
@@ -238,7 +230,7 @@ class Learner:
                 real = [i for i in chunk if i >= 0]
                 ids = [i if i >= 0 else 0 for i in chunk]
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
-                x0, _ = self.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
+                x0, _ = self.models.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
                                              cfg.perf.vae_decode_batch)

@@ -11,8 +11,8 @@ its owner:
   [models]                                   hpcnft.models.config
   [data] [checkpoint] [logging]              hpcnft.io.config
   [algo] [rollout] [train] [optim] [ema] [eval]  hpcnft.algo.config
-  [nft]                                      hpcnft.algo.nft_config
-  [grpo]                                     hpcnft.algo.grpo_config
+  [nft]                                      hpcnft.algo.nft.config
+  [grpo]                                     hpcnft.algo.flow_grpo.config
   [reward] [[reward.terms]]                  hpcnft.rewards.config
   [layout] [preempt]                         hpcnft.distributed.config
   [determinism]                              hpcnft.common.config
@@ -26,8 +26,7 @@ import re
 from dataclasses import dataclass
 
 from hpcnft.algo.config import AlgoConfig, EMAConfig, EvalConfig, OptimConfig, RolloutConfig, TrainConfig
-from hpcnft.algo.grpo_config import GRPOConfig
-from hpcnft.algo.nft_config import NFTConfig
+from hpcnft.algo.registry import spec_of, specs
 from hpcnft.common import config as machinery
 from hpcnft.common.config import DeterminismConfig, section, setting
 from hpcnft.common.errors import ConfigError
@@ -40,7 +39,6 @@ from hpcnft.rewards.config import RewardConfig
 __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
 
 
-@dataclass
 class Config:
     steps: int = setting(100, "run until this step", bound="> 0")
     run_dir: str = setting("", "the run's folder (`--run-dir`); empty: `runs/<recipe>-<date>-<time>`")
@@ -50,8 +48,6 @@ class Config:
     data: DataConfig = section(DataConfig)
     rollout: RolloutConfig = section(RolloutConfig)
     reward: RewardConfig = section(RewardConfig)
-    nft: NFTConfig = section(NFTConfig)
-    grpo: GRPOConfig = section(GRPOConfig)
     train: TrainConfig = section(TrainConfig)
     optim: OptimConfig = section(OptimConfig)
     ema: EMAConfig = section(EMAConfig)
@@ -70,15 +66,14 @@ class Config:
 
     @property
     def rank_sample_parts(self) -> int:
-        """The equal parts each train rank's samples of a step split into: Flow-GRPO's optimizer
-        updates per rollout (every train rank takes part in each with as many samples), else 1."""
-        return self.grpo.updates_per_step if self.algo.name == "flow_grpo" else 1
+        """The equal parts each train rank's samples of a step split into (the algorithm's optimizer
+        updates per rollout, every train rank taking part in each with as many samples)."""
+        return spec_of(self.algo.name).rank_sample_parts(self)
 
     @property
     def trained_steps(self) -> int:
         """K, the sampler steps each sample is trained at: the algorithm's timestep_fraction of them."""
-        fraction = self.grpo.timestep_fraction if self.algo.name == "flow_grpo" else self.nft.timestep_fraction
-        return int(self.rollout.num_steps * fraction)
+        return int(self.rollout.num_steps * spec_of(self.algo.name).timestep_fraction(self))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -94,8 +89,7 @@ class Config:
         r = self.rollout
         self.check_algorithm()
         if self.trained_steps < 1:
-            name = "grpo" if self.algo.name == "flow_grpo" else "nft"
-            raise ConfigError(f"{name}.timestep_fraction: trains no sigma at rollout.num_steps "
+            raise ConfigError(f"{spec_of(self.algo.name).section}.timestep_fraction: trains no sigma at rollout.num_steps "
                               f"{r.num_steps} (needs num_steps * fraction >= 1)")
         if self.perf.fused_lora and self.train.finetune != "lora":
             raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
@@ -146,37 +140,31 @@ class Config:
                                   "half precision; set one of them to false")
 
     def check_algorithm(self) -> None:
-        """The other algorithm's keys are refused (set away from their defaults), and so are the
-        options that only the other algorithm's sampler or trainer has."""
-        grpo = self.algo.name == "flow_grpo"
-        foreign = (("nft", self.nft, NFTConfig(), "a DiffusionNFT key"),
-                   ("ema", self.ema, EMAConfig(), "DiffusionNFT's old-policy EMA (Flow-GRPO samples with θ itself)"))
-        if not grpo:
-            foreign = (("grpo", self.grpo, GRPOConfig(), "a Flow-GRPO key"),)
-        for name, values, defaults, what in foreign:
-            for f in dataclasses.fields(values):
-                if getattr(values, f.name) != getattr(defaults, f.name):
-                    raise ConfigError(f"{name}.{f.name}: {what}, but algo.name is {self.algo.name!r}")
-        if not grpo:
-            return
-        refused = {"rollout.solver": (self.rollout.solver != "euler", "Flow-GRPO samples with its own SDE "
-                                      "(grpo.noise_level); the ODE solvers are DiffusionNFT's rollout"),
-                   "rollout.integer_timesteps": (self.rollout.integer_timesteps, "Flow-GRPO's DiT gets the float "
-                                                 "1000σ while sampling and training alike"),
-                   "perf.old_pass_batch": (self.perf.old_pass_batch > 0, "DiffusionNFT's v_old pass; Flow-GRPO has "
-                                           "none"),
-                   "perf.v_old_fp8": (self.perf.v_old_fp8, "DiffusionNFT's v_old pass; Flow-GRPO has none"),
-                   "perf.rollout_fp8": (self.perf.rollout_fp8, "the ratio of Flow-GRPO's clipped objective would "
-                                        "measure the rollout's fp8 rounding"),
-                   "grpo.kl_beta": (self.grpo.kl_beta > 0 and self.train.finetune != "lora", "the KL reference is "
-                                    "the frozen base, the DiT with its LoRA adapters off: needs "
-                                    "train.finetune=\"lora\"")}
-        for key, (bad, why) in refused.items():
-            if bad:
-                raise ConfigError(f"{key}: {why} (algo.name = \"flow_grpo\")")
-        if self.samples_per_step % self.grpo.updates_per_step:
-            raise ConfigError(f"grpo.updates_per_step: the {self.samples_per_step} samples of a step do not split into "
-                              f"{self.grpo.updates_per_step} equal updates")
+        """The keys only another algorithm reads are refused (set away from their defaults), then
+        the algorithm's own checks."""
+        spec = spec_of(self.algo.name)
+        mine = {spec.section, *spec.owns}
+        for other in (s for s in specs() if s is not spec):
+            for key, why in other.changed_keys(self):
+                if key.partition(".")[0] not in mine:
+                    raise ConfigError(f"{key}: {why}, but algo.name is {self.algo.name!r}")
+        spec.check(self)
+
+
+def _with_algorithm_sections(cls):
+    """The dataclass of `cls` with each registered algorithm's section after [algo]."""
+    fields = {}
+    for name, typ in cls.__annotations__.items():
+        fields[name] = typ
+        if name == "algo":
+            for spec in specs():
+                fields[spec.section] = spec.config
+                setattr(cls, spec.section, section(spec.config))
+    cls.__annotations__ = fields
+    return dataclass(cls)
+
+
+Config = _with_algorithm_sections(Config)
 
 
 def load_config(recipe: str = "tiny", overrides: list[str] | None = None, *, steps: int | None = None,

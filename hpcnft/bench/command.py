@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 
+from hpcnft.algo.registry import ALGORITHMS
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import parse_caps
 from hpcnft.bench.report import markdown
@@ -14,7 +15,7 @@ from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 
 PHASES = ("rollout", "vae", "pickscore", "train", "iteration", "reward_terms")
-ALGOS = ("nft", "flow_grpo")  # hpcnft.algo.config.ALGORITHMS (a test holds the two)
+ALGOS = tuple(ALGORITHMS)  # algo.name's choices
 DEFAULT_PHASES = ("rollout", "vae", "pickscore", "train", "iteration")
 
 

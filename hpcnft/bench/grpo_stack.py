@@ -34,7 +34,7 @@ class GrpoStack(HpcnftStack):
         """A GRPOBatch of `mb` samples with TRAIN_K transitions each (seeded), on the device as
         Learner.rollout leaves it, with CFG's empty-prompt conditioning where the family guides so."""
         torch = _torch()
-        from hpcnft.algo.grpo_trainer import GRPOBatch
+        from hpcnft.algo.flow_grpo.trainer import GRPOBatch
         from hpcnft.models.families import family_named
 
         self.policy

@@ -99,14 +99,15 @@ class HpcnftStack:
     @property
     def policy(self):
         if self._policy is None:
-            from hpcnft.algo.algorithms import algorithm_for
+            from hpcnft.algo.registry import algorithm_for
             from hpcnft.algo.policy import Policy
             from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
             dit = build_dit_on_host(self.S) if self.host_build else build_dit(self.S, self.dev)
             self._policy = Policy(self.cfg, dit, self.dev, mesh)
-            self.trainer = algorithm_for(self.cfg).make_trainer(self._policy, None, 1)  # algo.name's
+            self.algorithm = algorithm_for(self.cfg)  # algo.name's
+            self.trainer = self.algorithm.make_trainer(self._policy, None, 1)
             self.sigmas = family_named(self.S.family).sigma_grid(scheduler(self.S), self.cfg.rollout.num_steps,
                                                                  self.S.latent_shape)
         return self._policy
@@ -146,7 +147,7 @@ class HpcnftStack:
             else:
                 pipe = _Pipe(policy.transformer, self.vae, self.S, self.dtype, self.dev)
             self._tr = Learner(self.cfg, topo, None, world1_mesh(self.dev), LocalRewardClient(self._score_fn()),
-                               pipe, policy, self.trainer)
+                               pipe, policy, self.algorithm)
         return self._tr
 
     def _score_fn(self):
@@ -277,8 +278,8 @@ class HpcnftStack:
         """A PairBatch of `mb` rollout samples (seeded), on the device as Learner.rollout leaves
         them for Trainer.step."""
         torch = _torch()
-        from hpcnft.algo import nft
-        from hpcnft.algo.pairs import PairBatch
+        from hpcnft.algo.nft import formulas as nft
+        from hpcnft.algo.nft.pairs import PairBatch
 
         self.policy
         x0 = self._latent(mb, seed=7).to(self.dev)
@@ -361,7 +362,7 @@ class HpcnftStack:
         return fn, ctx, mb * TRAIN_K
 
     def close(self) -> None:
-        self._policy = self._vae = self._scorer = self._tr = self.trainer = None
+        self._policy = self._vae = self._scorer = self._tr = self.trainer = self.algorithm = None
 
     def iteration(self):
         tr = self.train_rank

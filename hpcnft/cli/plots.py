@@ -23,12 +23,14 @@ import re
 
 import numpy as np
 
+from hpcnft.algo.registry import specs
 from hpcnft.common.errors import UsageError
 from hpcnft.io import runfile
 from hpcnft.io.prompt_files import PromptFileError, read_prompt_file
 
 REWARD_KEY = "rollout/reward/raw_mean"
-TRAIN_PLOT_KEYS = ["train/nft_loss", "train/grpo_loss", "train/grad_norm", "train/nft_pos_loss"]
+# every algorithm's loss first, then the rest of their curves (a run has rows for its own alone)
+TRAIN_PLOT_KEYS = list(dict.fromkeys([*(s.loss_key for s in specs()), *(k for s in specs() for k in s.plot_keys)]))
 TIME_KEY = "perf/iteration_s"  # --x time: the seconds of each step's iteration, summed
 X_AXES = ("step", "time", "both")
 DEFAULT_KEYS_TEXT = f"{REWARD_KEY}, each eval/*_mean beside it, {', '.join(TRAIN_PLOT_KEYS)}"

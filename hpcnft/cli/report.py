@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from hpcnft import __version__
+from hpcnft.algo.registry import ALGORITHMS, spec_of, specs
 from hpcnft.cli.plots import (DEFAULT_KEYS_TEXT, EPOCH, X_AXES, epoch_notes, parse_smooth, plot_curves,
                               plot_samples)
 from hpcnft.common.errors import UsageError
@@ -178,9 +179,10 @@ def eval_policy_line(config) -> str:
     source = "eval.policy" if policy is not None else "the config predates eval.policy"
     policy = "old" if policy is None else str(policy)
     algo = config.get("algo") if isinstance(config, Mapping) else None
+    name = algo.get("name") if isinstance(algo, Mapping) else None
     what = _EVAL_POLICIES.get(policy, "unknown")
-    if policy == "old" and isinstance(algo, Mapping) and algo.get("name") == "flow_grpo":
-        what = "pi_old, which Flow-GRPO sets to theta after every step: theta, which the rollouts sample with"
+    if policy == "old" and name in ALGORITHMS and spec_of(name).old_policy_is:
+        what = spec_of(name).old_policy_is  # an algorithm that sets pi_old its own way
     return f"eval metrics (eval/*) are of the {policy} policy: {what} ({source}; `hpcnft export` exports it by default)"
 
 
@@ -233,8 +235,11 @@ def _clock(t: float) -> str:
 
 
 def _schema_order(keys: Iterable[str]) -> list[str]:
-    """Keys in the run file's order (rollout, train, ema, eval, perf), unknown keys last."""
-    rank = {k: i for i, k in enumerate(runfile.ALL_KEYS)}
+    """Keys in the run file's order (rollout, train: the algorithms' own then the shared, ema, eval,
+    perf), unknown keys last."""
+    order = [*runfile.ROLLOUT_KEYS, *(k for spec in specs() for k in spec.metric_keys),
+             *(k for k in runfile.ALL_KEYS if k not in runfile.ROLLOUT_KEYS)]
+    rank = {k: i for i, k in enumerate(order)}
     return sorted(keys, key=lambda k: (rank.get(k, len(rank)), k))
 
 

@@ -9,9 +9,18 @@ import h5py
 from hpcnft.io import runfile
 from hpcnft.io.compare import format_step
 
-# Shown per step: label -> metric key; a Flow-GRPO run's loss is grpo_loss (GRPO_COLUMNS).
-COLUMNS = {"reward": "rollout/reward/raw_mean", "nft_loss": "train/nft_loss", "grad_norm": "train/grad_norm"}
-GRPO_COLUMNS = {"reward": "rollout/reward/raw_mean", "grpo_loss": "train/grpo_loss", "grad_norm": "train/grad_norm"}
+# Shown per step: the reward, the algorithm's loss (the key the file names, runfile.LOSS_ATTR) and
+# the gradient norm, which every algorithm writes.
+REWARD_KEY, GRAD_KEY = "rollout/reward/raw_mean", "train/grad_norm"
+
+
+def columns_of(f: h5py.File) -> tuple[dict[str, str], str]:
+    """(label -> metric key, the label of the column that says a step was written) of an open run file."""
+    loss = f.attrs.get(runfile.LOSS_ATTR)
+    if isinstance(loss, str) and loss.startswith("train/") and f"metrics/{loss}" in f:
+        label = loss[len("train/"):]
+        return {"reward": REWARD_KEY, label: loss, "grad_norm": GRAD_KEY}, label
+    return {"reward": REWARD_KEY, "grad_norm": GRAD_KEY}, "grad_norm"  # a file that names no loss
 END_KINDS = ("done", "error")
 
 
@@ -30,8 +39,8 @@ class RunFollower:
         self._events_seen = 0
         self._end: str | None = None
         self._f: h5py.File | None = None
-        self.columns = COLUMNS
-        self.loss = "nft_loss"  # the label of the column that says a step was written: the algorithm's loss
+        self.columns: dict[str, str] = {}
+        self.loss = ""  # the label of the column that says a step was written: the algorithm's loss
 
     def poll(self) -> tuple[list[str], str | None]:
         """New lines since the last poll, and the end kind ('done'/'error') once the run ended."""
@@ -73,11 +82,10 @@ class RunFollower:
             f.close()
             raise runfile.RunFileError(
                 f"{self.path}: not an hpcnft run file of schema {runfile.SCHEMA} (schema={schema!r})")
-        if schema is None or "events" not in f or "metrics/train/nft_loss" not in f:
+        if schema is None or "events" not in f or f"metrics/{GRAD_KEY}" not in f:
             f.close()
             return None  # the writer has not laid out the file yet
-        if "metrics/train/grpo_loss" in f:  # a Flow-GRPO run (its file holds the NFT keys too, empty)
-            self.columns, self.loss = GRPO_COLUMNS, "grpo_loss"
+        self.columns, self.loss = columns_of(f)
         self._f = f
         return f
 

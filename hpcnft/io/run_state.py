@@ -16,7 +16,7 @@ import uuid
 import h5py
 import numpy as np
 
-from hpcnft.io.runfile import (EVENT_DTYPE, LOSS_KEYS, MAX_ROWS, RNG_NAME, RunFileError, error_line, event_row,
+from hpcnft.io.runfile import (EVENT_DTYPE, MAX_ROWS, RNG_NAME, RunFileError, error_line, event_row, last_train_step,
                                read_run)
 
 RUN_STATE = "run_state.h5"
@@ -136,9 +136,7 @@ def _scratch() -> str:
 
 def last_step(run) -> int:
     """The last step with training rows in a RunData (0 when none)."""
-    ends = [int(rows[-1, 0]) for rows in (run.metrics.get(key) for key in LOSS_KEYS)
-            if rows is not None and len(rows)]
-    return max(ends, default=0)
+    return last_train_step(run.metrics)
 
 
 def set_aside(path: str, why: str) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hpcnft.io import run_state
 from hpcnft.io.room import NoRoom, Room
-from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_KEYS, SCHEMA, RunFileError, error_line, event_row,
+from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_ATTR, SCHEMA, RunFileError, error_line, event_row,
                                open_swmr_reader, read_run)
 
 
@@ -111,9 +111,12 @@ class RunFileWriter:
     carries a random run id (created with it, or given to a file of an older version that has
     none), which every checkpoint's copy keeps: a run.h5 of another run is told apart by it."""
 
-    def __init__(self, path: str, config_json: str, version: str, extra_keys: tuple[str, ...] = ()):
+    def __init__(self, path: str, config_json: str, version: str, extra_keys: tuple[str, ...] = (),
+                 loss_key: str | None = None):
+        """EXTRA_KEYS: the algorithm's train keys (LOSS_KEY, its loss, first; named in the file's
+        attributes for readers such as `hpcnft watch`) and the reward terms' keys."""
         self.path = path
-        self.keys = ALL_KEYS + [k for k in extra_keys if k not in ALL_KEYS]  # the reward terms' keys
+        self.keys = ALL_KEYS + [k for k in extra_keys if k not in ALL_KEYS]
         self._f = None
         self._failed = False
         self._room = Room(path)
@@ -131,6 +134,8 @@ class RunFileWriter:
                 self._f.attrs["hpcnft_version"] = version
                 self._f.attrs["config"] = config_json
                 self._f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            if loss_key is not None:
+                self._f.attrs[LOSS_ATTR] = loss_key
             if not isinstance(self._f.attrs.get(run_state.RUN_ID), str):
                 self._f.attrs[run_state.RUN_ID] = run_state.new_run_id()
             self._ensure_structure()
@@ -296,12 +301,11 @@ class RunFileWriter:
 
     @_reads
     def last_step(self) -> int:
-        last = 0
-        for key in LOSS_KEYS:  # the algorithm's loss: DiffusionNFT's or Flow-GRPO's
-            ds = self._f.get(f"metrics/{key}")
-            if ds is not None and ds.shape[0]:
-                last = max(last, int(ds[-1, 0]))
-        return last
+        """The last step with training rows (0 when none): train/* rows are written only for a
+        finished step, all of them together."""
+        train = self._f.get("metrics/train")
+        ends = [int(ds[-1, 0]) for ds in (train.values() if train is not None else ()) if ds.shape[0]]
+        return max(ends, default=0)
 
     def close(self) -> None:
         self._room.release()  # room for the last flush; no reserve is left behind

@@ -30,20 +30,10 @@ from hpcnft.common.errors import one_line
 SCHEMA = 1
 
 ROLLOUT_KEYS = [f"rollout/reward/raw_{s}" for s in ("mean", "std", "min", "max", "median", "num_samples")]
-TRAIN_KEYS = [
-    f"train/{s}"
-    for s in (
-        "nft_loss", "nft_loss_per_pair", "nft_pos_loss", "nft_neg_loss", "nft_r_mean", "nft_adv_mean",
-        "adv_abs_mean", "nft_t_mean", "nft_num_timesteps", "grad_norm", "lr", "loss_scale", "step_skipped",
-    )
-]
-# Flow-GRPO's train keys (algo.name = "flow_grpo"): its run files hold them beside ALL_KEYS, whose
-# DiffusionNFT-only keys (nft_*) stay empty there; the shared ones (adv_abs_mean, grad_norm, lr,
-# loss_scale, step_skipped, kl_loss) mean the same in both.
-GRPO_TRAIN_KEYS = [f"train/{s}" for s in ("grpo_loss", "grpo_approx_kl", "grpo_clipfrac", "grpo_ratio_mean",
-                                          "grpo_num_timesteps")]
-# Each algorithm's loss, the first key of every step's row it writes: a run's last step is its last row.
-LOSS_KEYS = ("train/nft_loss", "train/grpo_loss")
+# The train keys every algorithm writes, meaning the same in each; an algorithm's own (its loss first)
+# come from its spec (hpcnft.algo.spec: metric_keys), and the run file names its loss (LOSS_ATTR).
+TRAIN_KEYS = [f"train/{s}" for s in ("adv_abs_mean", "grad_norm", "lr", "loss_scale", "step_skipped")]
+LOSS_ATTR = "loss_key"
 KL_KEYS = ["train/kl_loss"]
 EMA_KEYS = ["ema/decay"]
 EVAL_KEYS = ["eval/pickscore_mean", "eval/pickscore_std"]
@@ -52,10 +42,18 @@ PERF_KEYS = [
     for s in ("rollout_s", "reward_s", "reward_wait_s", "train_s", "iteration_s", "images_per_s",
               "mfu_rollout", "mfu_train")
 ]
-# Keys written every step (eval/* only at eval steps; kl only when the KL term is on).
+# Keys written every step (eval/* only at eval steps; kl only when the KL term is on), beside the
+# algorithm's own.
 PER_STEP_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + EMA_KEYS + PERF_KEYS
 ALL_KEYS = ROLLOUT_KEYS + TRAIN_KEYS + KL_KEYS + EMA_KEYS + EVAL_KEYS + PERF_KEYS
 
+
+
+def last_train_step(metrics) -> int:
+    """The last step with training rows (0 when none): train/* rows are written only for a
+    finished step, all of them together. `metrics` maps keys to (n, 2) arrays or datasets."""
+    ends = [int(rows[-1, 0]) for key, rows in metrics.items() if key.startswith("train/") and len(rows)]
+    return max(ends, default=0)
 
 
 def reward_term_keys(rollout_terms: list[str], eval_terms: list[str]) -> list[str]:

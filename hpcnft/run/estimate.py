@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from hpcnft.algo.registry import spec_of
 from hpcnft.algo.root_config import Config
 from hpcnft.common.recipe_files import is_recipe_file, recipe_file_base
 
@@ -125,18 +126,6 @@ class StepFlops:
         return self.rollout + self.train
 
 
-def pair_flops(f: ForwardFlops, lora: bool, grad_checkpointing: bool, kl: bool) -> float:
-    """One train pair: v_old (no grad), the trained forward and its backward, the forward once
-    more under gradient checkpointing, and the frozen base's forward for a KL term."""
-    return f.total * (2 + grad_checkpointing + kl) + f.backward(lora)
-
-
-def grpo_pair_flops(f: ForwardFlops, lora: bool, grad_checkpointing: bool, kl: bool, passes: int) -> float:
-    """One Flow-GRPO train pair: the trained forward and its backward over CFG's `passes`, the
-    forward once more under gradient checkpointing, and the frozen base's forward for a KL term."""
-    return passes * (f.total * (1 + grad_checkpointing + kl) + f.backward(lora))
-
-
 def step_flops(cfg: Config, d: DitDims) -> StepFlops:
     """The DiT FLOPs of one iteration, all train ranks together (hpcnft.algo.iteration: the rollout
     samples, then the train step's pairs, K trained sigmas or transitions a sample)."""
@@ -145,11 +134,14 @@ def step_flops(cfg: Config, d: DitDims) -> StepFlops:
     passes = 2 if d.family == "sd3" and r.guidance_scale > 1.0 else 1  # SD3's CFG: two; FLUX embeds it
     rollout = cfg.samples_per_step * r.num_steps * passes * f.total
     pairs = cfg.samples_per_step * cfg.trained_steps  # the algorithm's K a sample
-    lora = t.finetune == "lora"
-    if cfg.algo.name == "flow_grpo":  # no v_old pass; the trained forward guided as the rollout
-        return StepFlops(f, rollout, pairs * grpo_pair_flops(f, lora, t.grad_checkpointing, cfg.grpo.kl_beta > 0,
-                                                             passes))
-    return StepFlops(f, rollout, pairs * pair_flops(f, lora, t.grad_checkpointing, cfg.nft.kl_beta > 0))
+    forwards, backwards = spec_of(cfg.algo.name).pair_passes(cfg, passes)
+    return StepFlops(f, rollout, pairs * pair_flops(f, t.finetune == "lora", forwards, backwards))
+
+
+def pair_flops(f: ForwardFlops, lora: bool, forwards: int, backwards: int) -> float:
+    """One train pair of `forwards` DiT forwards and `backwards` backwards (the algorithm's count,
+    hpcnft.algo.spec: pair_passes)."""
+    return forwards * f.total + backwards * f.backward(lora)
 
 
 def cpu_step_seconds(flops: float, workers: int, rate: float = CPU_FLOPS_PER_THREAD) -> float:

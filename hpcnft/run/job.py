@@ -86,9 +86,9 @@ class TrainJob:
         cols = term_columns(cfg)
         term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
                                      [t.name for t in cols["eval"]])
-        term_keys += self.tr.algorithm.metric_keys  # what the algorithm writes beyond the shared keys
+        spec = self.tr.algorithm.spec  # its train keys, its loss first, beside the shared keys
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
-                                        tuple(term_keys))
+                                        (*spec.metric_keys, *term_keys), loss_key=spec.loss_key)
         self.checkpointer.run_file = w  # its copy, RNG rows and event go with every checkpoint
         w.set_topology(topo.as_attrs())
         for text in self.warnings:  # the resume plan's: skipped checkpoints, changed keys
@@ -293,7 +293,8 @@ class TrainJob:
             self.report_term_warnings(step)
             self.log_row(step, metrics, grid)
             if self.writer:
-                line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1)
+                line = progress_line(step, cfg.steps, metrics, time.perf_counter() - t_begin, start_step + 1,
+                                     self.tr.algorithm.spec.loss_key)
                 self.say_lines([line, *self.learning_lines(step, metrics)])
             if lost is not None:
                 return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")

@@ -61,8 +61,10 @@ def restore_stderr() -> None:
         _terminal = None
 
 
-def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, first_step: int) -> str:
-    loss = "grpo_loss" if "train/grpo_loss" in m else "nft_loss"  # the algorithm's (algo.name)
+def progress_line(step: int, steps: int, m: dict[str, float], elapsed: float, first_step: int,
+                  loss_key: str) -> str:
+    """`step 3/10 | reward ... | <the algorithm's loss, LOSS_KEY> ... | grad_norm ... | ... s | ETA ...`"""
+    loss = loss_key.removeprefix("train/")
     done = step - first_step + 1
     eta = elapsed / done * (steps - step)
     return (f"step {step}/{steps} | reward {m['rollout/reward/raw_mean']:.4f} ± {m['rollout/reward/raw_std']:.4f} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcnft.algo.algorithms import algorithm_for
+from hpcnft.algo.registry import algorithm_for
 from hpcnft.algo.iteration import Learner
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
@@ -38,9 +38,9 @@ def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> L
     else:
         client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s,
                                     reply_columns(cfg))
-    algorithm = algorithm_for(cfg)  # algo.name: DiffusionNFT's or Flow-GRPO's sampler, batch and trainer
-    trainer = algorithm.make_trainer(policy, group, len(topo.train_ranks))
-    return Learner(cfg, topo, group, mesh, client, pipe, policy, trainer, algorithm)
+    algorithm = algorithm_for(cfg)  # algo.name's sampler, train batch and trainer
+    algorithm.make_trainer(policy, group, len(topo.train_ranks))
+    return Learner(cfg, topo, group, mesh, client, pipe, policy, algorithm)
 
 
 def take_turns(cfg: Config, topo, base: str, say) -> bool:

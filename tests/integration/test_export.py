@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hardening_tools import small_tmpfs
 from jobs import hpcnft
-from hpcnft.algo import nft
+from hpcnft.algo import shared_math
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
 from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast
@@ -57,7 +57,7 @@ def rollout_reward_with(recipe: str, lora_dir: str, step: int) -> float:
         ids = list(range(start, start + r.batch_size))
         texts = [prompts[i // r.samples_per_prompt] for i in ids]
         scores.append(s.scores(texts, initial_noise(s.latent_shape, r.seed, step, ids, "rollout_noise"), r.num_steps))
-    return nft.reward_stats(torch.cat(scores))["raw_mean"]
+    return shared_math.reward_stats(torch.cat(scores))["raw_mean"]
 
 
 def eval_pickscore_with(recipe: str, lora_dir: str) -> float:

@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.io.run_writer import RunFileWriter
 
 from hpcnft.io.runfile import ALL_KEYS
@@ -29,7 +30,7 @@ def make_run(run_dir, nft_loss=(15.25, 16.5, 17.0, 19.0), done=True, config=CONF
     """A finished run (4 steps by default): grad_norm NaN at step 1 (fp16 scaler overflow), eval
     at the last step only."""
     os.makedirs(run_dir, exist_ok=True)
-    w = RunFileWriter(os.path.join(run_dir, "run.h5"), json.dumps(config), "0.1.0")
+    w = RunFileWriter(os.path.join(run_dir, "run.h5"), json.dumps(config), "0.1.0", NFT_KEYS)
     w.set_topology({"world_size": 3, "backend": "gloo", "roles": ["train", "train", "reward"]})
     w.add_attempt({"when": "2025-01-01T00:00:00", "from_step": 0, "slurm_job_id": "4242", "restart_count": 0})
     w.event(0, "start", "started")
@@ -313,7 +314,7 @@ WRITER = textwrap.dedent("""
     from hpcnft.io.run_writer import RunFileWriter
     from hpcnft.io.runfile import ALL_KEYS
     time.sleep(0.3)  # the watcher starts before the file exists
-    w = RunFileWriter(sys.argv[1], "{}", "0.1.0")
+    w = RunFileWriter(sys.argv[1], "{}", "0.1.0", ("train/nft_loss",), loss_key="train/nft_loss")
     w.add_attempt({"from_step": 0})
     w.event(0, "start", "go")
     for step in range(1, 6):
@@ -348,7 +349,7 @@ def test_watch_follows_a_run_written_by_another_process(tmp_path):
 
 def test_watch_ends_with_1_when_the_run_reports_an_error(tmp_path):
     run = make_run(tmp_path / "run", done=False)
-    w = RunFileWriter(os.path.join(run, "run.h5"), json.dumps(CONFIG), "0.1.0")
+    w = RunFileWriter(os.path.join(run, "run.h5"), json.dumps(CONFIG), "0.1.0", NFT_KEYS)
     w.event(4, "error", "rank 1 died")
     w.close()
     r = hpcnft("watch", run, "--interval", "0.05", "--timeout", "10")
@@ -390,7 +391,8 @@ def test_export_csv_defaults_to_every_key(tmp_path, run_a):
     out = tmp_path / "m.csv"
     assert hpcnft("export-metrics", run_a, "--csv", out).returncode == 0
     header = out.read_text().splitlines()[0].split(",")
-    assert header == ["step", *ALL_KEYS]
+    rollout = [k for k in ALL_KEYS if k.startswith("rollout/")]  # the run file's order: the algorithm's train keys
+    assert header == ["step", *rollout, *NFT_KEYS, *(k for k in ALL_KEYS if k not in rollout)]  # before the shared
 
 
 def test_export_needs_a_target_and_known_keys(tmp_path, run_a):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import flow_grpo_reference as ref
-from hpcnft.algo import grpo
-from hpcnft.algo.grpo_sampler import sde_sample
+from hpcnft.algo.flow_grpo import formulas as grpo
+from hpcnft.algo.flow_grpo.sampler import sde_sample
 from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import Conditioning, null_autocast, sigma_grid
 
@@ -129,6 +129,39 @@ def test_group_advantages_equal_the_per_prompt_stat_tracker(global_std):
     assert not torch.allclose(got, grpo.group_advantages(torch.tensor(REWARDS), PROMPTS, not global_std))
 
 
+@pytest.mark.parametrize("per_prompt", [1, 2])
+def test_the_step_s_advantages_are_the_authors_with_one_sample_per_prompt_too(per_prompt):
+    """FlowGRPO.train_batch's advantages against train_sd3.py's: per prompt text with several
+    samples a prompt, over the whole step with one (where per-prompt groups would all be 0)."""
+    from dataclasses import dataclass
+
+    from hpcnft.algo.flow_grpo.algorithm import FlowGRPO
+
+    n = 8
+    cfg = load_config("tiny_learns_grpo", [f"rollout.prompts_per_step={n // per_prompt}",
+                                           f"rollout.samples_per_prompt={per_prompt}", "rollout.batch_size=4"])
+    prompts = [f"p{i // per_prompt}" for i in range(n)]
+    rewards = torch.tensor(REWARDS[:n], dtype=torch.float32)
+
+    @dataclass
+    class Rollout:  # the part of the engine's rollout a train batch is made of
+        x0 = torch.zeros(4, 1)
+        prompt_embeds = torch.zeros(4, 1)
+        pooled = torch.zeros(4, 1)
+        kept = [(torch.zeros(4, 2), torch.zeros(4, 1), None)]
+    batch = FlowGRPO(cfg).train_batch(1, Rollout(), rewards, prompts, range(0, n))
+    want = ref.advantages_of(prompts, rewards.numpy(), per_prompt, cfg.grpo.global_std)
+    torch.testing.assert_close(batch.adv, torch.as_tensor(want), rtol=1e-13, atol=1e-15)  # numpy's sums round apart
+    assert batch.adv.abs().sum() > 0
+
+
+def test_kept_per_update_counts_each_update_s_samples_of_advantage_not_zero():
+    adv = torch.tensor([0.5, 0.0, -1.0, 0.0, 0.0, 2.0, 0.0, 0.0], dtype=torch.float64)
+    update = grpo.update_of(list(range(8)), 2, 1234, 3)
+    kept = grpo.kept_per_update(adv, 2, 1234, 3)
+    assert kept == [sum(1 for i in range(8) if update[i] == u and adv[i] != 0) for u in (0, 1)] and sum(kept) == 3
+
+
 def test_group_advantages_refuse_a_prompt_list_of_another_length():
     with pytest.raises(ValueError, match="7 prompts for 8 rewards"):
         grpo.group_advantages(torch.tensor(REWARDS), PROMPTS[:7])
@@ -189,23 +222,27 @@ def world_one(tmp_path):
     dist.destroy_process_group()
 
 
-def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit, world_one):
+@pytest.mark.parametrize("adv, drop", [([1.3, -0.4, 6.0, -2.2], False), ([1.3, 0.0, 6.0, 0.0], True)],
+                         ids=["every-sample", "drop-zero-advantage"])
+def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit, world_one, adv, drop):
     """GRPOTrainer.step (one update of 4 samples x K = 9 transitions, micro-batches of 4 pairs,
     LoRA under FSDP2, CFG 4.5, KL 0.04 to the base) against compute_log_prob and the loss of
     train_sd3.py's loop (a batch of the 4 samples per timestep, the gradient accumulated over the
     9 timesteps: accelerate divides each by 9), on the same weights: loss, clip fraction and
     gradient equal to rounding. The old log-probabilities are the rollout's moved by up to 4e-4,
-    so that some ratios leave the clip range."""
+    so that some ratios leave the clip range. With grpo.drop_zero_advantage, the authors' loop
+    runs on the samples their mask keeps (advantage not 0) and hpcnft's weights the others 0."""
     from diffusers import SD3Transformer2DModel
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hpcnft.algo.grpo_trainer import GRPOBatch, GRPOTrainer
+    from hpcnft.algo.flow_grpo.trainer import GRPOBatch, GRPOTrainer
     from hpcnft.algo.policy import Policy
     from hpcnft.common.tensors import local_shard
 
     transformer, scheduler = tiny_dit
     cfg = load_config("tiny", ["algo.name=flow_grpo", "rollout.guidance_scale=4.5", "grpo.kl_beta=0.04",
-                               "grpo.updates_per_step=1", "grpo.clip_range=2e-4", "train.micro_batch=4"])
+                               "grpo.updates_per_step=1", "grpo.clip_range=2e-4", "train.micro_batch=4",
+                               f"grpo.drop_zero_advantage={str(drop).lower()}"])
     policy = Policy(cfg, SD3Transformer2DModel.from_config(transformer.config), torch.device("cpu"),
                     init_device_mesh("cpu", (1,)))
     with torch.no_grad():  # LoRA B away from 0, so that the base and the policy differ (the KL term)
@@ -222,11 +259,13 @@ def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit
                                       randn(n, steps, 16, 8, 8, seed=36), sigmas, cond, 4.5, torch.float32,
                                       policy.autocast, NOISE_LEVEL, keep=steps)
     old = log_probs + (torch.rand(n, steps, generator=torch.Generator().manual_seed(37)) - 0.5) * 8e-4
-    adv = torch.tensor([1.3, -0.4, 6.0, -2.2], dtype=torch.float64)
-    batch = GRPOBatch(states[:, :k + 1], old[:, :k], pe, pooled, neg_pe, neg_pooled, adv, list(range(n)), n)
+    adv = torch.tensor(adv, dtype=torch.float64)
+    kept = grpo.kept_per_update(adv, 1, cfg.train.seed, 1) if drop else None
+    assert kept in (None, [2])
+    batch = GRPOBatch(states[:, :k + 1], old[:, :k], pe, pooled, neg_pe, neg_pooled, adv, list(range(n)), n, kept)
     grads = []
 
-    def keep_grads():
+    def keep_grads(update):
         grads.append([local_shard(p.grad).clone() for p in policy.trainable])
         return 0.0, False
     trainer._optimizer_step = keep_grads
@@ -235,7 +274,12 @@ def test_one_update_s_loss_and_gradient_equal_the_authors_training_loop(tiny_dit
     # the authors' loop on the same weights
     sched = authors_scheduler(scheduler, steps)
     sample = {"latents": states[:, :-1], "next_latents": states[:, 1:], "log_probs": old,
-              "timesteps": sched.timesteps.repeat(n, 1), "advantages": adv.unsqueeze(1).repeat(1, k)}
+              "timesteps": sched.timesteps.repeat(n, 1), "advantages": adv.unsqueeze(1).repeat(1, k),
+              "prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+    if drop:  # train_sd3.py: samples = {k: v[mask]} with mask = advantages.abs().sum(dim=1) != 0
+        mask = sample["advantages"].abs().sum(dim=1) != 0
+        sample = {key: v[mask] for key, v in sample.items()}
+    pe, pooled, n = sample.pop("prompt_embeds"), sample.pop("pooled_prompt_embeds"), len(sample["latents"])
     embeds, pooled_embeds = torch.cat([neg_pe.expand(n, -1, -1), pe]), torch.cat([neg_pooled.expand(n, -1), pooled])
     for p in policy.trainable:
         p.grad = None

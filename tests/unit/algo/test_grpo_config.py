@@ -8,18 +8,23 @@ import dataclasses
 
 import pytest
 
-from hpcnft.algo.algorithms import ALGORITHMS, algorithm_for
-from hpcnft.algo.config import ALGORITHMS as NAMES, EMAConfig
-from hpcnft.algo.grpo_config import GRPOConfig
-from hpcnft.algo.nft_config import NFTConfig
+from hpcnft.algo.config import AlgoConfig, EMAConfig
+from hpcnft.algo.registry import ALGORITHMS, algorithm_for, spec_of
+from hpcnft.algo.flow_grpo.config import GRPOConfig
+from hpcnft.algo.nft.config import NFTConfig
 from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.distributed.config import check_layout
 
 
-def test_every_algorithm_name_has_its_implementation():
-    assert tuple(ALGORITHMS) == NAMES == ("nft", "flow_grpo")
-    assert algorithm_for(load_config("tiny")).name == "nft"
-    assert algorithm_for(load_config("tiny_learns_grpo")).name == "flow_grpo"
+def test_every_algorithm_name_has_its_spec_section_and_implementation():
+    choices = next(f for f in dataclasses.fields(AlgoConfig) if f.name == "name").metadata["choices"]
+    assert tuple(ALGORITHMS) == tuple(choices) == ("nft", "flow_grpo")
+    for name in ALGORITHMS:
+        spec = spec_of(name)
+        assert spec.name == name and isinstance(getattr(load_config("tiny"), spec.section), spec.config)
+        assert spec.metric_keys[0] == spec.loss_key and spec.loss_key in spec.plot_keys
+    assert algorithm_for(load_config("tiny")).spec is spec_of("nft")
+    assert algorithm_for(load_config("tiny_learns_grpo")).spec is spec_of("flow_grpo")
 
 
 def test_tiny_learns_grpo_is_tiny_learns_with_flow_grpo():
@@ -41,8 +46,8 @@ def test_sd35m_pickscore_grpo_holds_flow_grpo_s_pickscore_sd3_values():
             g.updates_per_step) == (0.7, 1e-4, 5.0, 0.01, 0.99, True, 2)
     assert (t.finetune, t.lora_rank, t.lora_alpha, t.precision) == ("lora", 32, 64, "fp16")
     assert (o.lr, o.weight_decay, o.beta1, o.beta2, o.eps, o.grad_clip) == (3e-4, 1e-4, 0.9, 0.999, 1e-8, 1.0)
-    assert (c.eval.policy, c.eval.ema_decay, c.eval.num_steps, c.eval.every, c.eval.at_start) == \
-        ("ema", 0.9, 40, 60, True)
+    assert (c.eval.policy, c.eval.ema_decay, c.eval.ema_update_every, c.eval.num_steps, c.eval.every,
+            c.eval.at_start) == ("ema", 0.9, 8, 40, 60, True)
     check_layout(c, 3)  # 576 samples a train rank, 288 an update
 
 

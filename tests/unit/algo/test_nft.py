@@ -1,4 +1,4 @@
-"""NFT math of hpcnft.algo.nft against hand-computed cases and nft_spec.md §1.2-1.11.
+"""NFT math of hpcnft.algo.nft.formulas against hand-computed cases and nft_spec.md §1.2-1.11.
 
 Every expected value below is derived by hand (or from the spec's formulas and tables), never
 copied from a run of the code under test.
@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from hpcnft.algo import nft
+from hpcnft.algo import shared_math
+from hpcnft.algo.nft import formulas as nft
 from hpcnft.models.families.sd3 import dit_timestep
 from hpcnft.algo.sampler import sigma_grid, velocity
 
@@ -400,7 +401,7 @@ def test_ema_decay_flat_steps_decay_type_2():
 
 
 def test_reward_stats_hand_case():
-    s = nft.reward_stats(torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64))
+    s = shared_math.reward_stats(torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64))
     assert s["raw_mean"] == pytest.approx(0.25)
     # population std: squared deviations 0.0225, 0.0225, 0.0025, 0.0025 -> sqrt(0.05 / 4)
     assert s["raw_std"] == pytest.approx(math.sqrt(0.0125), rel=1e-12)
@@ -411,13 +412,13 @@ def test_reward_stats_hand_case():
 
 
 def test_reward_stats_median_odd_count():
-    assert nft.reward_stats(torch.tensor([5.0, 1.0, 3.0]))["raw_median"] == 3.0
+    assert shared_math.reward_stats(torch.tensor([5.0, 1.0, 3.0]))["raw_median"] == 3.0
 
 
 def test_the_branch_loss_squares_without_pow_bit_for_bit():
     """err * err instead of err.square(): pow's backward copies its exponent to the device at each
     call; the loss and its gradient keep their bits."""
-    from hpcnft.algo.nft import _squared
+    from hpcnft.algo.nft.formulas import _squared
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 3, 8, 8, generator=g, requires_grad=True)

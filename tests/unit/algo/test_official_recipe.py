@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcnft.algo import nft
+from hpcnft.algo import shared_math
+from hpcnft.algo.nft import formulas as nft
 from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import Conditioning, null_autocast, sigma_grid
 from hpcnft.algo.solvers import sample
@@ -369,7 +370,7 @@ def test_random_per_sample_law_is_k_of_t_uniform_in_random_order():
 
 
 def test_random_per_sample_reaches_the_pairs():
-    from hpcnft.algo.pairs import train_sigma_pairs
+    from hpcnft.algo.nft.pairs import train_sigma_pairs
 
     cfg = load_config("tiny", ["nft.timestep_strategy=random_per_sample"])
     pairs = train_sigma_pairs(cfg, list(range(40)), step=1)
@@ -381,10 +382,10 @@ def test_random_per_sample_reaches_the_pairs():
 # the evaluation EMA of theta
 # =============================================================================================
 def test_eval_ema_decay_is_the_official_warm_up():
-    assert nft.eval_ema_decay(1, 0.9) == 2 / 11
-    assert nft.eval_ema_decay(10, 0.9) == 11 / 20
-    assert nft.eval_ema_decay(80, 0.9) == 0.9 and nft.eval_ema_decay(81, 0.9) == 0.9
-    assert nft.eval_ema_decay(1000, 0.99) == 0.99
+    assert shared_math.eval_ema_decay(1, 0.9) == 2 / 11
+    assert shared_math.eval_ema_decay(10, 0.9) == 11 / 20
+    assert shared_math.eval_ema_decay(80, 0.9) == 0.9 and shared_math.eval_ema_decay(81, 0.9) == 0.9
+    assert shared_math.eval_ema_decay(1000, 0.99) == 0.99
 
 
 @pytest.fixture
@@ -396,9 +397,12 @@ def world_one(tmp_path):
     dist.destroy_process_group()
 
 
-def test_eval_ema_weights_equal_the_official_ema(tiny_dit, world_one):
-    """A real Policy (FSDP2 over one rank) against EMAModuleWrapper(decay 0.9) stepped with the
-    same parameters after each of 12 'optimizer steps' (seeded moves of theta)."""
+@pytest.mark.parametrize("every", [1, 8])
+def test_eval_ema_weights_equal_the_official_ema(tiny_dit, world_one, every):
+    """A real Policy (FSDP2 over one rank) under the trainer's optimizer step against
+    EMAModuleWrapper(decay 0.9, update_step_interval) stepped with the same parameters after each
+    of 20 'optimizer steps' (seeded moves of theta; no gradients, so AdamW leaves them): every
+    step (DiffusionNFT's official recipe), or after every 8th (Flow-GRPO's, eval.ema_update_every)."""
     from diffusers import SD3Transformer2DModel
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -406,19 +410,25 @@ def test_eval_ema_weights_equal_the_official_ema(tiny_dit, world_one):
     from hpcnft.common.tensors import local_shard
 
     transformer, _ = tiny_dit
-    cfg = load_config("tiny_official")
+    from hpcnft.algo.nft.trainer import Trainer
+
+    cfg = load_config("tiny_official", [f"eval.ema_update_every={every}"])
     policy = Policy(cfg, SD3Transformer2DModel.from_config(transformer.config), torch.device("cpu"),
                     init_device_mesh("cpu", (1,)))
+    trainer = Trainer(cfg, policy, None, 1)
     params = [local_shard(p) for p in policy.trainable]  # requires_grad: the official step checks it
-    official = EMAModuleWrapper(params, decay=0.9, update_step_interval=1)
+    official = EMAModuleWrapper(params, decay=0.9, update_step_interval=every)
     params = [p.detach() for p in params]  # the same storage
+    start = [e.clone() for e in policy.eval_shadow]
     g = torch.Generator().manual_seed(11)
-    for k in range(1, 13):
+    for k in range(1, 21):
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=g) * 0.01)
-        policy.eval_ema_update(nft.eval_ema_decay(k, cfg.eval.ema_decay))
+        trainer._optimizer_step(k)
         official.step([local_shard(p) for p in policy.trainable], k)
+        moved = not all(torch.equal(a, b) for a, b in zip(policy.eval_shadow, start))
+        assert moved == (k + 1 >= every)  # the first move after step every - 1
     assert all(torch.equal(a, b) for a, b in zip(policy.eval_shadow, official.ema_parameters))
     assert not all(torch.equal(a, b) for a, b in zip(policy.eval_shadow, policy.shadow))  # not pi_old
     live = [p.clone() for p in params]

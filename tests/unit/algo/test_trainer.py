@@ -1,13 +1,13 @@
-"""Pieces of hpcnft.algo.trainer and algo.pairs that need no model: the fp16 loss scaler and the (sample, sigma)
+"""Pieces of hpcnft.algo.nft.trainer and algo.pairs that need no model: the fp16 loss scaler and the (sample, sigma)
 pairs of a step (docs/architecture.md, "One training step"; nft_spec.md §1.4, §5)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hpcnft.algo.pairs import pair_noise, train_sigma_pairs
+from hpcnft.algo.nft.pairs import pair_noise, train_sigma_pairs
 from hpcnft.algo.root_config import load_config
-from hpcnft.algo.trainer import LossScaler
+from hpcnft.algo.train_base import LossScaler
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +164,8 @@ def test_skipping_peft_input_cast_under_autocast_changes_nothing():
 # PairNoise: the step's pair noise, prefetched in a worker thread or drawn in line, same values
 # ---------------------------------------------------------------------------------------------
 def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(thread_spy):
-    from hpcnft.algo import pairs as trainer_mod
-    from hpcnft.algo.pairs import PairNoise
+    from hpcnft.algo.nft import pairs as trainer_mod
+    from hpcnft.algo.nft.pairs import PairNoise
 
     cfg = load_config("tiny", [])
     ids, shape, step = [4, 5, 6], (2, 4, 4), 3
@@ -184,7 +184,7 @@ def test_prefetched_pair_noise_is_drawn_in_a_worker_and_equals_the_inline_draw(t
 
 
 def test_pair_noise_prefetched_for_other_samples_is_not_used():
-    from hpcnft.algo.pairs import PairNoise
+    from hpcnft.algo.nft.pairs import PairNoise
 
     cfg = load_config("tiny", [])
     shape = (2, 4, 4)

@@ -11,7 +11,8 @@ from hpcnft.algo.root_config import load_config, reference_table
 from hpcnft.cli.main import COMMANDS, main
 from hpcnft.common.recipe_files import recipe_names
 from hpcnft.common.validation import flatten
-from hpcnft.io.runfile import ALL_KEYS, GRPO_TRAIN_KEYS
+from hpcnft.algo.registry import specs
+from hpcnft.io.runfile import ALL_KEYS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 README = os.path.join(ROOT, "README.md")
@@ -64,7 +65,7 @@ def _expand_braces(text: str) -> set[str]:
 
 def test_run_file_page_names_every_metric_key():
     documented = _expand_braces(_read(RUN_FILE))
-    assert [k for k in ALL_KEYS + GRPO_TRAIN_KEYS if k not in documented] == []
+    assert [k for k in [*ALL_KEYS, *(k for s in specs() for k in s.metric_keys)] if k not in documented] == []
 
 
 def test_configuration_page_has_every_config_key():

@@ -288,7 +288,8 @@ def test_the_layout_is_checked_against_the_world_size():
 # ---------------------------------------------------------------------------------------------
 def test_the_choices_are_what_their_owners_implement():
     from hpcnft.algo import config as algo_config
-    from hpcnft.algo import nft, nft_config, policy, solvers
+    from hpcnft.algo import policy, solvers
+    from hpcnft.algo.nft import config as nft_config, formulas as nft
     from hpcnft.distributed import reward_limits, reward_service
     from hpcnft.io import config as io_config
     from hpcnft.io import trackers

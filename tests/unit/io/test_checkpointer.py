@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hardening_tools import tiny_policy
-from hpcnft.algo.trainer import LossScaler
+from hpcnft.algo.train_base import LossScaler
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint, run_state, runfile
 from hpcnft.io.checkpointer import Checkpointer, Resumed, restore_rank_rng, snapshot_rank_rng

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hardening_tools import make_checkpoint, writer_made_run
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint, run_state, runfile
 from hpcnft.io.run_writer import RunFileWriter
@@ -39,7 +40,7 @@ def run_h5(tmp_path) -> str:
 
 def test_a_snapshot_through_the_open_writer_holds_everything_plus_its_checkpoint_event(run_h5, tmp_path):
     snap = str(tmp_path / "run_state.h5")
-    w = RunFileWriter(run_h5, runfile.read_run(run_h5).attrs["config"], "test")
+    w = RunFileWriter(run_h5, runfile.read_run(run_h5).attrs["config"], "test", NFT_KEYS)
     try:
         w.snapshot(snap, (STEPS, "checkpoint", "checkpoints/step_000004"))
     finally:
@@ -55,7 +56,7 @@ def test_a_snapshot_through_the_open_writer_holds_everything_plus_its_checkpoint
 def test_a_rebuilt_run_file_is_the_copy_and_the_writer_appends_to_it(run_h5, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    w = RunFileWriter(run_h5, "{}", "test")
+    w = RunFileWriter(run_h5, "{}", "test", NFT_KEYS)
     w.snapshot(run_state.run_state_path(ckpt))
     w.close()
     rebuilt = str(tmp_path / "rebuilt" / "run.h5")
@@ -63,12 +64,12 @@ def test_a_rebuilt_run_file_is_the_copy_and_the_writer_appends_to_it(run_h5, tmp
     run_state.rebuild(rebuilt, ckpt)
     assert not os.path.exists(rebuilt + ".rebuild")
     _same_content(runfile.read_run(run_h5), runfile.read_run(rebuilt), run_h5, rebuilt)
-    w = RunFileWriter(rebuilt, "{}", "test")
+    w = RunFileWriter(rebuilt, "{}", "test", NFT_KEYS)
     w.append_metrics(STEPS + 1, {k: 0.25 for k in runfile.PER_STEP_KEYS})
     w.write_rng(STEPS + 1, {0: b"\x07"})
     w.close()
     after = runfile.read_run(rebuilt)
-    assert after.metrics["train/nft_loss"][-1].tolist() == [STEPS + 1, 0.25]
+    assert after.metrics["train/grad_norm"][-1].tolist() == [STEPS + 1, 0.25]
     assert after.rng_steps[-1] == STEPS + 1
     assert after.attrs[run_state.RUN_ID] == runfile.read_run(run_h5).attrs[run_state.RUN_ID]
 
@@ -76,14 +77,14 @@ def test_a_rebuilt_run_file_is_the_copy_and_the_writer_appends_to_it(run_h5, tmp
 def test_the_writer_gives_a_run_file_one_run_id_for_good(tmp_path):
     a, b = str(tmp_path / "a.h5"), str(tmp_path / "b.h5")
     for path in (a, b):
-        RunFileWriter(path, "{}", "test").close()
+        RunFileWriter(path, "{}", "test", NFT_KEYS).close()
     id_a = runfile.read_run(a).attrs[run_state.RUN_ID]
     assert id_a != runfile.read_run(b).attrs[run_state.RUN_ID]
-    RunFileWriter(a, "{}", "test").close()  # reopened: the same run
+    RunFileWriter(a, "{}", "test", NFT_KEYS).close()  # reopened: the same run
     assert runfile.read_run(a).attrs[run_state.RUN_ID] == id_a
     with h5py.File(a, "a") as f:  # a file of a version before run ids
         del f.attrs[run_state.RUN_ID]
-    RunFileWriter(a, "{}", "test").close()
+    RunFileWriter(a, "{}", "test", NFT_KEYS).close()
     assert isinstance(runfile.read_run(a).attrs[run_state.RUN_ID], str)
 
 
@@ -91,7 +92,7 @@ def test_the_writer_gives_a_run_file_one_run_id_for_good(tmp_path):
 def ckpt_with_copy(run_h5, tmp_path) -> str:
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    w = RunFileWriter(run_h5, "{}", "test")
+    w = RunFileWriter(run_h5, "{}", "test", NFT_KEYS)
     w.snapshot(run_state.run_state_path(ckpt))
     w.close()
     return ckpt
@@ -158,7 +159,7 @@ def test_commit_puts_the_copy_in_the_checkpoint_and_a_failed_copy_fails_the_chec
     run_dir = str(tmp_path / "run")
     final = make_checkpoint(run_dir, 1)
     assert not os.path.exists(run_state.run_state_path(final))  # no writer given: no copy
-    w = RunFileWriter(run_h5, "{}", "test")
+    w = RunFileWriter(run_h5, "{}", "test", NFT_KEYS)
     try:
         policy, opt = tiny_policy()
         checkpoint.save(run_dir, STEPS, policy, opt, None, True, 0, determinism.capture_rng_state())

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from hardening_tools import fuzz, small_tmpfs, writer_made_run
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.io import runfile
 from hpcnft.io.run_writer import RunFileWriter
 
@@ -41,12 +42,12 @@ def test_a_fifo_is_refused_rather_than_read(tmp_path):
         rc, _, err, tb = call_cli(argv)
         assert tb is None and rc == 2 and "not a regular file" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(runfile.RunFileError, match="not a regular file"):
-        RunFileWriter(str(fifo), "{}", "x")
+        RunFileWriter(str(fifo), "{}", "x", NFT_KEYS)
 
 
 def test_run_file_write_failures_name_the_file_and_keep_the_rows(tmp_path, monkeypatch):
     path = str(tmp_path / "run.h5")
-    w = RunFileWriter(path, "{}", "x")
+    w = RunFileWriter(path, "{}", "x", NFT_KEYS)
     w.append_metrics(1, {"train/nft_loss": 1.5})
     import h5py
 
@@ -68,11 +69,12 @@ FILE_SIZE_LIMITED = """
 import json, os, resource, sys
 limit, path = int(sys.argv[1]), sys.argv[2]
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # ulimit -f: a write past it fails, EFBIG
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.io.run_writer import RunFileWriter
 from hpcnft.io.runfile import RunFileError, PER_STEP_KEYS
 done = 0
 try:
-    w = RunFileWriter(path, "{}", "x")
+    w = RunFileWriter(path, "{}", "x", NFT_KEYS)
     w.set_topology({"world_size": 3})
     w.add_attempt({"from_step": 0})
     for step in range(1, 100000):
@@ -109,7 +111,7 @@ def test_a_file_size_limit_refuses_the_write_whole_and_leaves_run_h5_readable(tm
         assert done == 0 and not os.path.exists(path)
         return
     run = runfile.read_run(path)  # every step's rows, and the metrics of the step whose event was refused
-    rows = run.metrics["train/nft_loss"][:, 0].tolist()
+    rows = run.metrics["train/grad_norm"][:, 0].tolist()
     assert done >= 1 and rows == [float(s) for s in range(1, len(rows) + 1)] and done <= len(rows) <= done + 1
     assert len(run.events) >= done
 
@@ -118,7 +120,7 @@ def test_a_quota_that_runs_out_is_found_by_the_reserve_and_the_next_write_refuse
     # EDQUOT, which nothing reports in advance: the reserve beside run.h5 cannot be taken back
     # after a write, so the write after it is refused before HDF5 touches the file
     path = str(tmp_path / "run.h5")
-    w = RunFileWriter(path, "{}", "x")
+    w = RunFileWriter(path, "{}", "x", NFT_KEYS)
     w.append_metrics(1, {"train/nft_loss": 1.5})
     assert os.path.getsize(tmp_path / ".run.h5.reserve") == 256 << 10  # held between writes
 
@@ -159,7 +161,7 @@ try:
 except RunFileError as e:
     print("CLOSE", e)
 run = read_run(p)
-rows = run.metrics["train/nft_loss"]
+rows = run.metrics["train/grad_norm"]
 print("DONE", done, len(rows), int(rows[done - 1, 0]), len(run.events))
 """
     with small_tmpfs(mnt, "1200k"):

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from hardening_tools import tiny_policy
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint
@@ -130,7 +131,7 @@ def _outage_job(tmp_path, evaluate):
     job.cfg.run_dir = str(tmp_path)
     job.topo = types.SimpleNamespace(rank=0, train_ranks=[0])
     job.group, job.saved_step, job.resume_command = None, 0, "hpcnft run tiny --run-dir R --steps 4"
-    job.writer = RunFileWriter(str(tmp_path / "run.h5"), "{}", "test")
+    job.writer = RunFileWriter(str(tmp_path / "run.h5"), "{}", "test", NFT_KEYS)
     job.trackers = TrackerGroup([], print)
     saves, finished = [], []
     job.checkpointer = types.SimpleNamespace(save=lambda step, rng=None: saves.append((step, rng)))

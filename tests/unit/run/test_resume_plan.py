@@ -9,6 +9,7 @@ import os
 import pytest
 
 from hardening_tools import run_with_checkpoints, writer_made_run
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.algo.root_config import load_config
 from hpcnft.common.errors import UsageError
 from hpcnft.io import run_state
@@ -46,7 +47,7 @@ def _truncate(path):
 
 
 def _rows_to_step_1(path):
-    w = RunFileWriter(path, "{}", "test")
+    w = RunFileWriter(path, "{}", "test", NFT_KEYS)
     w.truncate_after(1)
     w.close()
 
@@ -118,7 +119,7 @@ def test_a_damaged_run_file_without_checkpoints_is_set_aside_and_the_run_starts_
     assert resumed.rebuilt == (f"{path} {plan.rebuild_why}: kept as {os.path.join(cfg.run_dir, aside[0])}; no "
                                "checkpoint to resume from, the run starts over")
     assert open(os.path.join(cfg.run_dir, aside[0]), "rb").read() == damaged
-    RunFileWriter(path, "{}", "test").close()
+    RunFileWriter(path, "{}", "test", NFT_KEYS).close()
     assert read_run(path).metrics["train/nft_loss"].shape == (0, 2)
 
 
@@ -126,7 +127,8 @@ def test_another_configs_run_file_without_checkpoints_is_still_refused(tmp_path)
     cfg = load_config("tiny", steps=4)
     cfg.run_dir = str(tmp_path / "run")
     os.makedirs(cfg.run_dir)
-    RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), load_config("tiny", ["train.seed=7"]).to_json(), "x").close()
+    RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), load_config("tiny", ["train.seed=7"]).to_json(), "x",
+                  NFT_KEYS).close()
     with pytest.raises(UsageError, match="holds a run with another config"):
         check_existing_run(cfg)
 

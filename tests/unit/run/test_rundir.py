@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hardening_tools import make_checkpoint, remount_read_only, small_tmpfs, writer_made_run
+from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.common.errors import UsageError
 from hpcnft.io import checkpoint
 from hpcnft.io import runfile
@@ -28,7 +29,7 @@ def test_a_read_only_run_dir_is_refused_naming_the_path(tmp_path):
         with pytest.raises(UsageError, match="is not writable"):
             check_run_dir(run_dir)
         with pytest.raises(runfile.RunFileError) as e:
-            RunFileWriter(h5, "{}", "x")
+            RunFileWriter(h5, "{}", "x", NFT_KEYS)
         assert str(e.value).startswith(h5) and len(str(e.value).splitlines()) == 1
         with pytest.raises(checkpoint.CheckpointError, match="Read-only file system") as e:
             make_checkpoint(run_dir, 2)

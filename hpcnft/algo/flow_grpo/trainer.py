@@ -1,10 +1,10 @@
 """Flow-GRPO's train step: `grpo.updates_per_step` optimizer updates on the rollout's recorded SDE
-transitions, each over its share of the samples (hpcnft.algo.grpo.update_of) and their first K
+transitions, each over its share of the samples (hpcnft.algo.flow_grpo.formulas.update_of) and their first K
 transitions. Per micro-batch of (sample, transition) pairs: the KL reference (frozen base, no
 grad) when grpo.kl_beta > 0, the trained forward (CFG as the rollout's, its unconditional half
 detached), the transition's log-probability under pi_theta, the clipped loss and backward; then
-clipping and AdamW, as hpcnft.algo.trainer.Trainer does for NFT (whose optimizer, loss scaler and
-step it shares)."""
+clipping and AdamW (hpcnft.algo.train_base, the optimizer, loss scaler and step every algorithm's
+trainer shares)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hpcnft.algo import grpo
+from hpcnft.algo.flow_grpo import formulas as grpo
 from hpcnft.algo.sampler import Conditioning, guided_velocity
-from hpcnft.algo.trainer import Trainer
+from hpcnft.algo.train_base import TrainerBase
 from hpcnft.distributed.groups import collective_device
 from hpcnft.perf.mfu import span
 
@@ -31,6 +31,9 @@ class GRPOBatch:
     adv: torch.Tensor  # [n] float64, on the host
     sample_ids: list[int]  # global ids: which update each sample trains in
     n_global_samples: int  # the samples of the step over all train ranks
+    # grpo.drop_zero_advantage: each update's samples of advantage not 0, over all train ranks
+    # (None: every sample counts)
+    kept_per_update: list[int] | None = None
 
 
 @dataclass
@@ -46,7 +49,7 @@ class TransitionBatch:
     adv: torch.Tensor  # [m] float64
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(TrainerBase):
     DEVICE_SUMS = ("loss", "kl", "approx_kl", "clipped", "ratio")
     HOST_SUMS = ("adv_abs", "pairs")
 
@@ -78,12 +81,16 @@ class GRPOTrainer(Trainer):
         self.sigma_max = sigmas[1].item()  # as the rollout's SDE (grpo_sampler.sde_sample)
         k = grpo.num_trained_steps(cfg.rollout.num_steps, g.timestep_fraction)
         update = grpo.update_of(batch.sample_ids, g.updates_per_step, cfg.train.seed, step)
-        # the gradient of the mean over the update's pairs on all ranks: FSDP averages over the ranks
-        loss_norm = self.num_train_ranks / (batch.n_global_samples // g.updates_per_step * k)
+        kept = batch.kept_per_update or [batch.n_global_samples // g.updates_per_step] * g.updates_per_step
         dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=self.policy.device)
         host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
         norms, skipped, scale = [], 0, self.scaler.scale
         for u in range(g.updates_per_step):
+            if not kept[u]:  # no sample of this update has an advantage: every rank leaves it out
+                skipped += 1
+                continue
+            # the gradient of the mean over the update's pairs on all ranks: FSDP averages over the ranks
+            loss_norm = self.num_train_ranks / (kept[u] * k)
             pairs = [(p, j) for p in range(len(update)) if update[p] == u for j in range(k)]
             with span("train/inputs"):
                 mbs = [self.inputs(batch, sigmas, mb) for mb in self.micro_batches(pairs, cfg.train.micro_batch)]
@@ -95,7 +102,7 @@ class GRPOTrainer(Trainer):
                 dev_sums += dev_part
                 host_sums += host_part
             with span("train/optimizer"):
-                norm, skip = self._optimizer_step()
+                norm, skip = self._optimizer_step((step - 1) * g.updates_per_step + u + 1)
             norms.append(norm)
             skipped += skip
         sums = torch.cat([dev_sums.cpu(), host_sums])
@@ -119,19 +126,25 @@ class GRPOTrainer(Trainer):
         if mean_ref is not None:
             kl = grpo.kl_to_reference(mean, mean_ref, std)
             total = loss + g.kl_beta * kl
+        weight = None
+        if batch.kept_per_update is not None:  # the pairs of advantage 0 out of the loss and the metrics
+            weight = (m.adv != 0).to(total.dtype)
+            total = total * weight
         (total.sum() * loss_norm * scale).backward()
         with torch.no_grad():
             drift = log_prob.detach() - m.old_log_prob
-            dev = torch.stack([loss.detach().double().sum(), kl.detach().double().sum(),
-                               (0.5 * drift ** 2).double().sum(),
-                               ((ratio.detach() - 1.0).abs() > g.clip_range).double().sum(),
-                               ratio.detach().double().sum()])
+            parts = [loss.detach(), kl.detach(), 0.5 * drift ** 2, ((ratio.detach() - 1.0).abs() > g.clip_range),
+                     ratio.detach()]
+            if weight is not None:
+                parts = [t * weight for t in parts]
+            dev = torch.stack([t.double().sum() for t in parts])
         a = batch.adv[m.pos]
-        return dev, torch.tensor([a.abs().sum().item(), float(len(m.pos))], dtype=torch.float64)
+        pairs = float(len(m.pos)) if weight is None else float((a != 0).sum())
+        return dev, torch.tensor([a.abs().sum().item(), pairs], dtype=torch.float64)
 
     def _metrics(self, s: dict[str, float], norms: list[float], skipped: int, scale: float,
                  k: int) -> dict[str, float]:
-        n = s["pairs"]
+        n = s["pairs"] or 1.0  # no pair kept (grpo.drop_zero_advantage): the sums are 0
         out = {
             "train/grpo_loss": s["loss"] / n,
             "train/grpo_approx_kl": s["approx_kl"] / n,
@@ -139,7 +152,7 @@ class GRPOTrainer(Trainer):
             "train/grpo_ratio_mean": s["ratio"] / n,
             "train/adv_abs_mean": s["adv_abs"] / n,
             "train/grpo_num_timesteps": float(k),
-            "train/grad_norm": sum(norms) / len(norms),
+            "train/grad_norm": sum(norms) / len(norms) if norms else 0.0,
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/loss_scale": scale,
             "train/step_skipped": float(skipped),

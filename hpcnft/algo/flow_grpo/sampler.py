@@ -1,4 +1,4 @@
-"""Flow-GRPO's rollout sampler: the SDE of hpcnft.algo.grpo.sde_step over the scheduler's sigma
+"""Flow-GRPO's rollout sampler: the SDE of hpcnft.algo.flow_grpo.formulas.sde_step over the scheduler's sigma
 grid (the same grid and guidance as the ODE samplers), recording each transition's
 log-probability under the sampling policy, as flow_grpo's pipeline_with_logprob does.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcnft.algo.grpo import sde_step
+from hpcnft.algo.flow_grpo.formulas import sde_step
 from hpcnft.algo.sampler import Conditioning, guided_velocity
 
 SDE_NOISE = "rollout_sde_noise"  # the draws' purpose (initial_noise), beside the initial noise's "rollout_noise"

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from hpcnft.algo.nft import prompt_groups
+from hpcnft.algo.shared_math import prompt_groups
 from hpcnft.common.determinism import stable_hash
 
 STD_EPS = 1e-4  # PerPromptStatTracker's
@@ -65,6 +65,23 @@ def group_advantages(rewards: torch.Tensor, prompts: list[str], global_std: bool
         std = r.std(unbiased=False) if global_std else r[index].std(unbiased=False)
         out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
     return out
+
+
+def batch_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """The advantages with one sample per prompt (train_sd3.py turns the per-prompt tracker off
+    then), in float64: A_i = (R_i - mean of every reward of the step) / (std (N) + 1e-4)."""
+    r = rewards.to(torch.float64)
+    return (r - r.mean()) / (r.std(unbiased=False) + STD_EPS)
+
+
+def kept_per_update(adv: torch.Tensor, updates: int, seed: int, step: int) -> list[int]:
+    """How many of the step's samples (all train ranks', `adv` in global order) each update
+    trains on when the samples of advantage exactly 0 are left out (grpo.drop_zero_advantage)."""
+    update = update_of(list(range(adv.numel())), updates, seed, step)
+    kept = [0] * updates
+    for u, a in zip(update, adv.tolist()):
+        kept[u] += a != 0
+    return kept
 
 
 def clipped_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, adv: torch.Tensor, clip_range: float,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcnft.algo import nft
+from hpcnft.algo.nft import formulas as nft
 from hpcnft.algo.root_config import Config
 from hpcnft.common.determinism import stable_hash
 

@@ -1,72 +1,30 @@
 """One NFT optimizer step of the policy: the pairs' inputs, v_old (and the KL reference) in
 no-grad passes, the trained forward, loss and backward per micro-batch, AdamW with gradient
-clipping, and a loss scaler for fp16."""
+clipping, and a loss scaler for fp16 (hpcnft.algo.train_base)."""
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from hpcnft.algo import nft
-from hpcnft.algo.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_pairs
+from hpcnft.algo.nft import formulas as nft
+from hpcnft.algo.nft.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_pairs
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.root_config import Config
+from hpcnft.algo.train_base import TrainerBase
 from hpcnft.distributed.groups import collective_device
 from hpcnft.perf import levers
 from hpcnft.perf.mfu import span
 
 
-class LossScaler:
-    """Dynamic loss scaling with torch.amp.GradScaler's rules (init S, x0.5 on overflow, x2
-    after 2000 clean steps). The overflow decision comes from the global grad norm, which is
-    the same on every rank of the FSDP mesh, so all ranks skip or step together."""
-
-    def __init__(self, init_scale: float, enabled: bool, growth_interval: int = 2000):
-        self.enabled = enabled
-        self.scale = float(init_scale) if enabled else 1.0
-        self.growth_interval = growth_interval
-        self.growth_tracker = 0
-
-    def update(self, found_inf: bool) -> None:
-        if not self.enabled:
-            return
-        if found_inf:
-            self.scale *= 0.5
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.scale *= 2.0
-                self.growth_tracker = 0
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-
-
-class Trainer:
+class Trainer(TrainerBase):
     # Sums of the step's metrics: those of device tensors are kept on the device (no sync per
     # micro-batch), those of host tensors on the host.
     DEVICE_SUMS = ("loss", "pos", "neg", "r", "t", "kl")
     HOST_SUMS = ("adv", "adv_abs", "pairs")
 
     def __init__(self, cfg: Config, policy: Policy, train_group, num_train_ranks: int):
-        self.cfg, self.policy = cfg, policy
-        self.group, self.num_train_ranks = train_group, num_train_ranks
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(policy.trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        self.scaler = LossScaler(cfg.train.grad_scaler_init, enabled=cfg.train.precision == "fp16")
+        super().__init__(cfg, policy, train_group, num_train_ranks)
         self.noise = PairNoise(cfg)
-
-    def micro_batches(self, pairs: list, size: int):
-        for i in range(0, len(pairs), size):
-            yield pairs[i:i + size]
 
     # -- the pieces of a step (public: the bench measures them one at a time) ------------------
     def inputs(self, batch: PairBatch, sigmas: torch.Tensor, mb: list[tuple[int, int]], eps: torch.Tensor) -> MicroBatch:
@@ -125,7 +83,7 @@ class Trainer:
             dev_sums += dev_part
             host_sums += host_part
         with span("train/optimizer"):
-            grad_norm, skipped = self._optimizer_step()
+            grad_norm, skipped = self._optimizer_step(step)  # one optimizer step a step
         sums = torch.cat([dev_sums.cpu(), host_sums])
         if self.group is not None:
             sums = sums.to(collective_device(dist.get_backend(self.group), policy.device))
@@ -156,23 +114,6 @@ class Trainer:
                            kl.detach().double().sum()])
         host = torch.tensor([a.sum().item(), a.abs().sum().item(), float(len(pos))], dtype=torch.float64)
         return dev, host
-
-    def _optimizer_step(self) -> tuple[float, bool]:
-        params = self.policy.trainable
-        if self.scaler.enabled:
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(1.0 / self.scaler.scale)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        grad_norm = float(norm.item())
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.scaler.update(found_inf=skipped)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, skipped
 
     def _metrics(self, s: dict[str, float], grad_norm: float, skipped: bool, scale: float) -> dict[str, float]:
         n = s["pairs"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from hpcnft.algo.nft_config import ADV_MODES
+from hpcnft.algo.nft.config import ADV_MODES
+from hpcnft.algo.shared_math import prompt_groups
 from hpcnft.common.determinism import stable_hash
 
 WEIGHT_FLOOR = 1e-5
@@ -34,14 +35,6 @@ def advantages(rewards: torch.Tensor, group_size: int, std_estimator: str = "unb
         out[index] = (r[index] - r[index].mean()) / (std + STD_EPS)
     return out
 
-
-def prompt_groups(prompts: list[str]) -> list[torch.Tensor]:
-    """The positions of each distinct prompt text, in order of first appearance: the groups
-    whose statistics advantages are taken over (exact text)."""
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(p, []).append(i)
-    return [torch.tensor(members) for members in groups.values()]
 
 
 def optimality_r(adv: torch.Tensor, clip_max: float, mode: str = "all") -> torch.Tensor:
@@ -139,16 +132,3 @@ def ema_decay(k: int, ramp: float, max_decay: float, flat_steps: int = 0, flat_d
     if k <= flat_steps:
         return flat_decay
     return min(ramp * (k - flat_steps), max_decay)
-
-
-def eval_ema_decay(k: int, max_decay: float) -> float:
-    """Decay of the evaluation EMA after optimizer step k (1-based): min((1 + k) / (10 + k), max),
-    the official EMAModuleWrapper's warm-up."""
-    return min((1 + k) / (10 + k), max_decay)
-
-
-def reward_stats(rewards: torch.Tensor) -> dict[str, float]:
-    """rollout/reward/raw_*: std with N (unbiased=False), median = lower middle (torch.median)."""
-    r = rewards.to(torch.float64)
-    return {"raw_mean": r.mean().item(), "raw_std": r.std(unbiased=False).item(), "raw_min": r.min().item(),
-            "raw_max": r.max().item(), "raw_median": r.median().item(), "raw_num_samples": float(r.numel())}

@@ -1,4 +1,4 @@
-"""The `[grpo]` section, beside the Flow-GRPO math (hpcnft.algo.grpo): its keys under the names
+"""The `[grpo]` section, beside the Flow-GRPO math (hpcnft.algo.flow_grpo.formulas): its keys under the names
 Flow-GRPO's own config gives them (yifan123/flow_grpo, config/base.py and config/grpo.py) where
 they differ. Imports nothing but common: the math stays free of processes and files."""
 from __future__ import annotations
@@ -21,5 +21,8 @@ class GRPOConfig:
                                              "each sample are trained (train.timestep_fraction)", bound="[0, 1]")
     global_std: bool = setting(True, "advantages (R − the prompt's mean) over the std of every reward of the step "
                                      "(true) or of the prompt's own rewards (sample.global_std)")
+    drop_zero_advantage: bool = setting(
+        False, "leave the samples whose advantage is exactly 0 out of the loss and its mean (Flow-GRPO's mask of "
+        "all-zero advantages; it re-admits a few at random to fill equal batches, hpcnft weights them 0 instead)")
     updates_per_step: int = setting(2, "optimizer steps per rollout, each on one of every U consecutive samples "
                                        "(a seeded draw); Flow-GRPO's recipes make 2 per epoch", bound="> 0")

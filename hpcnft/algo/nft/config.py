@@ -1,4 +1,4 @@
-"""The `[nft]` section, beside the NFT math (hpcnft.algo.nft, which takes ADV_MODES from here), with
+"""The `[nft]` section, beside the NFT math (hpcnft.algo.nft.formulas, which takes ADV_MODES from here), with
 the vocabularies of its choices. Imports nothing but common: the NFT math stays free of
 processes and files."""
 from __future__ import annotations
