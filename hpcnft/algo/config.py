@@ -21,9 +21,9 @@ ATTENTION_PROJECTIONS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
 
 @dataclass
 class AlgoConfig:
-    name: str = setting("nft", "the RL algorithm: `nft` (DiffusionNFT; keys in `[nft]`, the old policy in `[ema]`), "
-                               "`flow_grpo` (Flow-GRPO; keys in `[grpo]`); the keys only another algorithm reads "
-                               "are refused", choices=tuple(ALGORITHMS))
+    name: str = setting("nft", "the RL algorithm (hpcnft/algo/registry.py); its own keys are in its section (DiffusionNFT: "
+                               "`[nft]`, the old policy in `[ema]`; Flow-GRPO: `[grpo]`), and the keys only another "
+                               "algorithm reads are refused", choices=tuple(ALGORITHMS))
 
 
 @dataclass

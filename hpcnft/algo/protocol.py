@@ -81,3 +81,9 @@ class Algorithm(Protocol):
 
     def old_policy_decay(self, step: int) -> float:
         """The decay of pi_old's EMA after `step` (0: pi_old becomes theta)."""
+
+    def synthetic_batch(self, n: int, k: int, cond: Conditioning, latent_shape: tuple[int, ...],
+                        device: torch.device) -> Any:
+        """A seeded train batch of n samples trained at k sampler steps each, on `device`, with
+        the conditioning `cond` (CFG's empty prompt where the rollout guides so): what
+        `hpcnft bench` times a train step on."""

@@ -11,8 +11,7 @@ its owner:
   [models]                                   hpcnft.models.config
   [data] [checkpoint] [logging]              hpcnft.io.config
   [algo] [rollout] [train] [optim] [ema] [eval]  hpcnft.algo.config
-  [nft]                                      hpcnft.algo.nft.config
-  [grpo]                                     hpcnft.algo.flow_grpo.config
+  each algorithm's own ([nft], [grpo], ...)   its folder's config.py, through hpcnft.algo.registry
   [reward] [[reward.terms]]                  hpcnft.rewards.config
   [layout] [preempt]                         hpcnft.distributed.config
   [determinism]                              hpcnft.common.config

@@ -24,6 +24,9 @@ class AlgorithmSpec:
     # in its own way; empty: pi_old, the rollout policy
     old_policy_is: str = ""
     implementation: str = ""  # "module:Class" of its hpcnft.algo.protocol.Algorithm
+    # `hpcnft bench --algo NAME`: the values its SD3.5-M recipe gives it, and the perf levers it refuses
+    bench_overrides: dict[str, object] = {}
+    refused_levers: tuple[str, ...] = ()
 
     def section_of(self, cfg):
         return getattr(cfg, self.section)
@@ -44,6 +47,11 @@ class AlgorithmSpec:
         """(DiT forwards, DiT backwards) of one train pair, for the start-up estimate; a guided
         pass counts `guidance_passes` (SD3's CFG: 2)."""
         raise NotImplementedError
+
+    def one_update(self, cfg, k: int, micro_batch: int) -> dict[str, object]:
+        """The keys that make a train step one optimizer update over k sampler steps a sample at
+        `micro_batch` (what `hpcnft bench` times as a train-pairs call)."""
+        return {f"{self.section}.timestep_fraction": k / cfg.rollout.num_steps, "train.micro_batch": micro_batch}
 
     def changed_keys(self, cfg) -> list[tuple[str, str]]:
         """(key, why) of this algorithm's owned keys set away from their defaults."""

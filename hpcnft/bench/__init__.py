@@ -18,10 +18,11 @@ Stacks, each measured in turn in this process:
                  euler_sample, decode_to_uint8, PickScoreScorer) with every perf lever off;
   hpcnft fast    the same path with the levers of hpcnft.perf.levers.FAST (change with --set).
 `--levers` measures single levers against "hpcnft default", one at a time.
-`--algo nft,flow_grpo` adds Flow-GRPO's path beside DiffusionNFT's, in the same process
-(bench.grpo_stack: "hpcnft fast, flow_grpo" and "hpcnft default, flow_grpo"): its train pairs
-(the trained forward with CFG, the KL reference, backward) and its whole iteration (SDE rollout,
-decode, PickScore, two updates) at the shapes' sizes.
+`--algo nft,NAME` adds another algorithm's path beside DiffusionNFT's, in the same process
+(bench.algo_stack: "hpcnft fast, NAME" and "hpcnft default, NAME", at the values its spec gives for
+the bench): its train pairs (Flow-GRPO's: the trained forward with CFG, the KL reference, backward)
+and its whole iteration (Flow-GRPO's: SDE rollout, decode, PickScore, two updates) at the shapes'
+sizes.
 
 Phases (sd35m's batch sizes; the others' in bench.shapes): rollout DiT forward (batch 8/16), VAE
 decode, PickScore of one iteration's images, the train pair (v_old + v_theta + backward through
@@ -35,7 +36,7 @@ thread, on 512² images that show their prompt's text, at every shapes).
 forward and train pairs.
 
 Modules: shapes (shapes, random-weight models), terms (the reward terms beside PickScore), timing,
-eager (the baseline stack), stack (the package's path), grpo_stack (its Flow-GRPO path), levers,
+eager (the baseline stack), stack (the package's path), algo_stack (another algorithm's path), levers,
 report, profiling, run (Bench and the command line).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ from hpcnft.bench.memory_caps import parse_caps
 from hpcnft.bench.report import markdown
 from hpcnft.bench.run import Bench
 from hpcnft.bench.shapes import REAL_SHAPES, SHAPES
-from hpcnft.bench.stack import bench_config
+from hpcnft.bench.stack import DEFAULT_ALGO, bench_config
 from hpcnft.common.errors import UsageError
 
 PHASES = ("rollout", "vae", "pickscore", "train", "iteration", "reward_terms")
@@ -77,11 +77,11 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-encoders", choices=["embeddings", "real"], default="embeddings",
                    help="what the whole iteration encodes prompts with: fixed random embeddings (default), or "
                         "SD3.5's CLIP-L, CLIP-G and T5-XXL at their real shapes (11 GB more, and their time)")
-    p.add_argument("--algo", type=_algo_list, default=["nft"], metavar="NAME[,NAME]",
-                   help="the algorithms measured, in this process: nft (DiffusionNFT: every stack, --baseline, "
-                        "--levers, --variant), flow_grpo (Flow-GRPO's train pairs and iteration in the fast "
-                        "stack's levers, and in the default stack unless --no-default: "
-                        "'hpcnft fast flow_grpo'), e.g. nft,flow_grpo (default: nft)")
+    p.add_argument("--algo", type=_algo_list, default=[DEFAULT_ALGO], metavar="NAME[,NAME]",
+                   help=f"the algorithms measured, in this process ({', '.join(ALGOS)}): {DEFAULT_ALGO} (DiffusionNFT: "
+                        "every stack, --baseline, --levers, --variant); any other: its train pairs and iteration "
+                        "at its SD3.5-M recipe's values with the fast stack's levers, and in the default stack "
+                        f"unless --no-default ('hpcnft fast, NAME'); e.g. {','.join(ALGOS)} (default: {DEFAULT_ALGO})")
     p.add_argument("--budget-s", type=float, help="skip the remaining measurements after this many seconds")
     p.add_argument("--profile", metavar="DIR",
                    help="after the 'hpcnft fast' phases, profile one rollout forward and one train-pairs call "
@@ -101,14 +101,14 @@ def main(name: str, args: argparse.Namespace) -> int:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if "nft" not in args.algo and (args.baseline or args.levers or args.variants):
-        raise UsageError("--baseline, --levers and --variant measure DiffusionNFT: add nft to --algo")
+    if DEFAULT_ALGO not in args.algo and (args.baseline or args.levers or args.variants):
+        raise UsageError(f"--baseline, --levers and --variant measure DiffusionNFT: add {DEFAULT_ALGO} to --algo")
     fast_over = fast_overrides(S, dev, args.overrides)
-    if "flow_grpo" in args.algo:
-        from hpcnft.bench.grpo_stack import grpo_overrides
+    for name in (n for n in args.algo if n != DEFAULT_ALGO):
+        from hpcnft.bench.algo_stack import algorithm_overrides
 
         for over in (fast_over, {}):
-            bench_config(S, dev, grpo_overrides(over, S.family))
+            bench_config(S, dev, algorithm_overrides(name, over, S.family))
     for over in expand_levers(args.levers, dev, S) + [fast_over] + [
             {**fast_over, **change} for change in expand_levers(args.variants, dev, S, "--variant")]:
         bench_config(S, dev, over)  # bad specs and config values fail before anything is built

@@ -5,6 +5,7 @@ import os
 import platform
 
 from hpcnft.bench.shapes import Shapes, _torch
+from hpcnft.bench.stack import DEFAULT_ALGO
 
 
 def _fmt_ms(s):
@@ -118,8 +119,11 @@ def _change_table(recs, name: str, base: str, digits: int, title: str) -> list[s
 
 def markdown(doc: dict) -> str:
     st = doc["stacks"]
-    cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast", "hpcnft_default_grpo", "hpcnft_fast_grpo")
-            if k in st]
+    # the other algorithms' stacks (bench.algo_stack: hpcnft_{default,fast}_NAME) after DiffusionNFT's
+    others = sorted({k[len("hpcnft_fast_"):] for k in st if k.startswith("hpcnft_fast_")})
+    cols = [k for k in ("eager", "hpcnft_default", "hpcnft_fast", *(f"hpcnft_{s}_{n}" for n in others
+                                                                     for s in ("default", "fast"))) if k in st]
+    pairs = [("eager", "hpcnft_fast"), *((f"hpcnft_fast_{n}", "hpcnft_fast") for n in others)]
     names = [n for n in PHASE_ORDER if any(n in st[c]["phases"] for c in cols)]
     names += sorted({n for c in cols for n in st[c]["phases"]} - set(names))
     env = doc["environment"]
@@ -127,12 +131,12 @@ def markdown(doc: dict) -> str:
              f"ceiling: {doc.get('ceiling_what', '')} = {_fmt_rate(doc.get('ceiling_tflops', 0) * 1e12)}. "
              "Cells: time per unit · MFU against that ceiling (FLOPs counted over the phase) · peak memory.", "",
              "| phase | " + " | ".join(st[c]["label"] for c in cols)
-             + " | fast vs eager | flow_grpo time / nft time, fast |",
-             "|---|" + "---|" * (len(cols) + 2)]
+             + " | fast vs eager |" + "".join(f" {n} time / {DEFAULT_ALGO} time, fast |" for n in others),
+             "|---|" + "---|" * (len(cols) + len(pairs))]
     for n in names:
         cells = [_cell(st[c]["phases"].get(n)) for c in cols]
         ratios = []
-        for slow, fast in (("eager", "hpcnft_fast"), ("hpcnft_fast_grpo", "hpcnft_fast")):  # time of slow / fast
+        for slow, fast in pairs:  # time of slow / fast
             a, b = st.get(slow, {}).get("phases", {}).get(n), st.get(fast, {}).get("phases", {}).get(n)
             ratios.append(f"{a['per_unit_s'] / b['per_unit_s']:.2f}×" if a and b and "s" in a and "s" in b else "—")
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {' | '.join(ratios)} |")

@@ -13,7 +13,7 @@ from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import run_caps
 from hpcnft.bench.report import _fmt_ms, _fmt_pct, _fmt_rate, environment, targets
 from hpcnft.bench.shapes import TRAIN_K, Shapes, _torch
-from hpcnft.bench.stack import HpcnftStack, _toml
+from hpcnft.bench.stack import DEFAULT_ALGO, HpcnftStack, _toml
 from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
 from hpcnft.common.errors import first_line
 
@@ -216,26 +216,26 @@ class Bench:
         fast_over = fast_overrides(S, dev, args.overrides)
         fast_b = int(fast_over.get("rollout.batch_size", max(S.rollout_batches)))
         fast_mb = int(fast_over.get("train.micro_batch", max(S.micro_batches)))
-        if "nft" in args.algo:
+        if DEFAULT_ALGO in args.algo:
             self.run_nft(fast_over, fast_b, fast_mb)
-        if "flow_grpo" in args.algo:
-            self.run_grpo(fast_over, fast_mb)
+        for name in (n for n in args.algo if n != DEFAULT_ALGO):
+            self.run_algorithm(name, fast_over, fast_mb)
         self.finish()
         return self.doc
 
-    def run_grpo(self, fast_over: dict, fast_mb: int) -> None:
-        """Flow-GRPO's path (bench.grpo_stack): the fast stack's levers, then every lever off."""
-        from hpcnft.bench.grpo_stack import GrpoStack
+    def run_algorithm(self, name: str, fast_over: dict, fast_mb: int) -> None:
+        """Another algorithm's path (bench.algo_stack): the fast stack's levers, then every lever off."""
+        from hpcnft.bench.algo_stack import AlgorithmStack
 
         S = self.S
-        stacks = [("hpcnft_fast_grpo", "hpcnft fast, flow_grpo", fast_over, [fast_mb], self.iteration_for("fast"))]
+        stacks = [(f"hpcnft_fast_{name}", f"hpcnft fast, {name}", fast_over, [fast_mb], self.iteration_for("fast"))]
         if not self.args.no_default:
-            stacks.append(("hpcnft_default_grpo", "hpcnft default, flow_grpo", {}, list(S.micro_batches),
+            stacks.append((f"hpcnft_default_{name}", f"hpcnft default, {name}", {}, list(S.micro_batches),
                            self.iteration_for("default")))
         for key, label, over, mbs, iteration in stacks:
-            stack = GrpoStack(key, label, S, self.dev, over)
+            stack = AlgorithmStack(key, label, S, self.dev, over, name)
             self.run_stack(stack, self.phases_for(stack, [], mbs, vae=False, pick=False), iteration,
-                           {"micro_batch": max(mbs), "algo": "flow_grpo"})
+                           {"micro_batch": max(mbs), "algo": name})
             self.free(stack)
 
     def run_nft(self, fast_over: dict, fast_b: int, fast_mb: int) -> None:

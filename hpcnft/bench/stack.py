@@ -4,9 +4,12 @@ from __future__ import annotations
 import contextlib
 import json
 
+from hpcnft.algo.config import AlgoConfig
 from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_dit_on_host, build_vae,
                                  clip_processor, prompt_list, random_images, scheduler, smooth_images, world1_mesh)
 from hpcnft.common.errors import UsageError
+
+DEFAULT_ALGO = AlgoConfig().name  # the stacks' own algorithm (algo.name's default): every stack, levers, baseline
 
 
 def _toml(v) -> str:
@@ -274,19 +277,17 @@ class HpcnftStack:
                           policy.compute_dtype, policy.autocast)
         return v, x0
 
-    def _pair_batch(self, mb: int):
-        """A PairBatch of `mb` rollout samples (seeded), on the device as Learner.rollout leaves
-        them for Trainer.step."""
-        torch = _torch()
-        from hpcnft.algo.nft import formulas as nft
-        from hpcnft.algo.nft.pairs import PairBatch
+    def _train_batch(self, mb: int):
+        """The algorithm's seeded train batch of `mb` samples with TRAIN_K trained steps each, on
+        the device as Learner.rollout leaves it, with CFG's empty prompt where the family guides so."""
+        from hpcnft.algo.sampler import Conditioning
+        from hpcnft.models.families import family_named
 
         self.policy
-        x0 = self._latent(mb, seed=7).to(self.dev)
-        pe, pooled = (t.to(self.dev) for t in self._cond(mb, seed=8))
-        adv = torch.randn(mb, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
-        return PairBatch(x0, pe, pooled, adv, nft.optimality_r(adv, self.cfg.nft.adv_clip_max), list(range(mb)),
-                         mb * TRAIN_K)
+        cond = Conditioning(*self._cond(mb, seed=8))
+        if self.cfg.rollout.guidance_scale > 1.0 and family_named(self.S.family).cfg_guidance:
+            cond.neg_prompt_embeds, cond.neg_pooled = self._cond(1, seed=9)
+        return self.algorithm.synthetic_batch(mb, TRAIN_K, cond, self.S.latent_shape, self.dev)
 
     def v_old_fp8_cost(self, mb: int) -> dict:
         """What perf.v_old_fp8 costs: one micro-batch of `mb` pairs (sigmas across the grid),
@@ -301,7 +302,7 @@ class HpcnftStack:
         from hpcnft.common.tensors import local_shard
 
         policy, trainer, cfg = self.policy, self.trainer, self.cfg
-        batch = self._pair_batch(mb)
+        batch = self._train_batch(mb)  # DiffusionNFT's: the stack's algorithm
         pairs = [(p, p % cfg.rollout.num_steps) for p in range(mb)]
         eps = torch.randn(mb, *batch.x0.shape[1:], generator=torch.Generator().manual_seed(10))
         m = trainer.inputs(batch, self.sigmas, pairs, eps)
@@ -344,17 +345,23 @@ class HpcnftStack:
         return cost
 
     def train_pairs(self, mb: int):
-        """Trainer.step on `mb` samples with TRAIN_K sigmas each: TRAIN_K micro-batches of `mb`."""
-        cfg, batch = self.cfg, self._pair_batch(mb)
+        """The algorithm's train step on `mb` samples with TRAIN_K trained steps each, in one
+        update: TRAIN_K micro-batches of `mb`."""
+        from hpcnft.algo.registry import spec_of
+
+        cfg, batch = self.cfg, self._train_batch(mb)
+        keys = spec_of(cfg.algo.name).one_update(cfg, TRAIN_K, mb)
 
         @contextlib.contextmanager
         def ctx():
-            saved = (cfg.nft.timestep_fraction, cfg.train.micro_batch)
-            cfg.nft.timestep_fraction, cfg.train.micro_batch = TRAIN_K / cfg.rollout.num_steps, mb
+            saved = {key: _get(cfg, key) for key in keys}
+            for key, value in keys.items():
+                _set(cfg, key, value)
             try:
                 yield
             finally:
-                cfg.nft.timestep_fraction, cfg.train.micro_batch = saved
+                for key, value in saved.items():
+                    _set(cfg, key, value)
 
         def fn():
             self.step_no += 1
@@ -372,3 +379,13 @@ class HpcnftStack:
             metrics, _ = tr.iteration(self.step_no)
             self.last_metrics = {k: v for k, v in metrics.items() if k.startswith("perf/") or k.startswith("train/")}
         return fn, contextlib.nullcontext
+
+
+def _get(cfg, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _set(cfg, key: str, value) -> None:
+    section, _, name = key.partition(".")
+    setattr(getattr(cfg, section), name, value)

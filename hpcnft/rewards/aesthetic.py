@@ -1,5 +1,5 @@
 """The LAION improved aesthetic predictor (v2, sac+logos+ava1-l14-linearMSE.pth) as DiffusionNFT
-scores it (flow_grpo/aesthetic_scorer.py): CLIP ViT-L/14's image embedding from the
+scores it (its aesthetic_scorer.py): CLIP ViT-L/14's image embedding from the
 CLIPProcessor's own preprocessing, L2-normalised, through the predictor's MLP head.
 
 The head's file is `weights`, by default sac+logos+ava1-l14-linearMSE.pth inside model_dir (the

@@ -1,4 +1,4 @@
-"""CLIP score as DiffusionNFT computes it (flow_grpo/clip_scorer.py): CLIP ViT-L/14's
+"""CLIP score as DiffusionNFT computes it (its clip_scorer.py): CLIP ViT-L/14's
 logits_per_image.diagonal() / 100, that is exp(logit_scale) * cos(image, prompt) / 100.
 
 The reference builds its image transform with torchvision from the processor's config and applies

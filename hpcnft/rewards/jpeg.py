@@ -1,5 +1,5 @@
 """DDPO's model-free rewards: the size of the image as a JPEG (quality 95) in kilobytes.
-`jpeg_incompressibility` is the size, `jpeg_compressibility` its negative (flow_grpo and
+`jpeg_incompressibility` is the size, `jpeg_compressibility` its negative (Flow-GRPO and
 DiffusionNFT divide by 500 as well: a weight of 1/500 gives theirs). The prompt is not used."""
 from __future__ import annotations
 

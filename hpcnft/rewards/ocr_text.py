@@ -1,5 +1,5 @@
 """The OCR reward's text side, as the official DiffusionNFT scorer computes it
-(NVlabs/DiffusionNFT, flow_grpo/ocr.py): the target is the prompt's first double-quoted span
+(NVlabs/DiffusionNFT's ocr.py): the target is the prompt's first double-quoted span
 (`prompt.split('"')[1]`); the recognized text (the recognizer's lines of confidence > 0,
 joined) and the target are lower-cased with their spaces removed; the distance is 0 where the
 target occurs in the text, else their Levenshtein distance (the `Levenshtein` package, as

@@ -290,7 +290,7 @@ def test_bench_reward_terms_times_every_term_per_image(tmp_path):
 def test_bench_tiny_measures_flow_grpo_beside_nft_in_one_process(tmp_path):
     """`--algo nft,flow_grpo`: the fast stack's train pairs and iteration for both algorithms, in
     one process; Flow-GRPO's at its SD3.5-M recipe's CFG, KL and updates, without NFT's levers."""
-    from hpcnft.bench.grpo_stack import NFT_ONLY
+    from hpcnft.algo.registry import spec_of
 
     out = tmp_path / "bench.json"
     r = hpcnft("bench", "--shapes", "tiny", "--algo", "nft,flow_grpo", "--no-default", "--phases", "train,iteration",
@@ -300,11 +300,11 @@ def test_bench_tiny_measures_flow_grpo_beside_nft_in_one_process(tmp_path):
     assert not doc["errors"] and not doc["skipped"], doc
     stacks = doc["stacks"]
     assert {k: set(v["phases"]) for k, v in stacks.items()} == {
-        "hpcnft_fast": {"train_pair_mb8", "iteration"}, "hpcnft_fast_grpo": {"train_pair_mb8", "iteration"}}
-    grpo = stacks["hpcnft_fast_grpo"]
+        "hpcnft_fast": {"train_pair_mb8", "iteration"}, "hpcnft_fast_flow_grpo": {"train_pair_mb8", "iteration"}}
+    grpo = stacks["hpcnft_fast_flow_grpo"]
     over = grpo["config"]["overrides"]
     assert over["algo.name"] == "flow_grpo" and over["rollout.guidance_scale"] == 4.5 and over["grpo.kl_beta"] == 0.01
-    assert not set(NFT_ONLY) & set(over) and over["perf.merge_lora_nograd"] is True  # the other levers kept
+    assert not set(spec_of("flow_grpo").refused_levers) & set(over) and over["perf.merge_lora_nograd"] is True
     assert grpo["phases"]["train_pair_mb8"]["flops"] > 0 and grpo["phases"]["train_pair_mb8"]["per_unit_s"] > 0
     met = grpo["phases"]["iteration"]["metrics"]
     assert met["perf/iteration_s"] > 0 and met["train/kl_loss"] >= 0 and met["train/grpo_num_timesteps"] == 9

@@ -198,10 +198,11 @@ def test_planted_payloads_are_refused_by_problems(run, tmp_path, where, why):
 
 def test_resume_skips_planted_checkpoints_and_a_full_disk_fails_the_next_one_cleanly(run, tmp_path):
     """Checkpoints 4, 3, 2 carry payloads (metadata, shard item, RNG state), 1 is clean. The
-    resume warns about and skips 4..2, resumes from 1 bit for bit, then finds its file system
-    full when it checkpoints step 2: exit 1 naming the partial checkpoint, no .partial left,
-    checkpoint 1 still usable, every row written so far readable. (Where no tmpfs can be
-    mounted, the resume runs on the ordinary disk and completes.)"""
+    resume to step 5 (past the run's 4: a run at its end is finished before any rank starts)
+    warns about and skips 4..2, resumes from 1 bit for bit, then finds its file system full when
+    it checkpoints step 2: exit 1 naming the partial checkpoint, no .partial left, checkpoint 1
+    still usable, every row written so far readable. (Where no tmpfs can be mounted, the resume
+    runs on the ordinary disk and completes.)"""
     assert run["rc"] == 0
     original = read_run(run["run_dir"]).metrics["train/nft_loss"]
     markers = {w: str(tmp_path / f"MARKER-{w}") for w in ("metadata", "shard-item", "rng-0")}
@@ -216,7 +217,7 @@ def test_resume_skips_planted_checkpoints_and_a_full_disk_fails_the_next_one_cle
             with open(os.path.join(mnt, "filler"), "wb") as f:  # leave ~440 KiB: less than the shards
                 f.write(b"\0" * max(0, free_bytes(mnt) - (440 << 10)))
         r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--run-dir", run_dir,
-                            *[a if a != str(STEPS) else "3" for a in run["args"]]],
+                            *[a if a != str(STEPS) else str(STEPS + 1) for a in run["args"]]],
                            cwd=run["work"], capture_output=True, text=True, timeout=600)
         err = r.stderr
         assert "Traceback" not in err and "Traceback" not in r.stdout and "UserWarning" not in err
@@ -235,7 +236,7 @@ def test_resume_skips_planted_checkpoints_and_a_full_disk_fails_the_next_one_cle
             assert rows.tolist() == original[:2].tolist()  # step 1 kept, step 2 recomputed bit for bit
         else:
             assert r.returncode == 0, r.stdout[-2000:] + err[-3000:]
-            assert rows.tolist() == original[:3].tolist()
+            assert rows[:STEPS].tolist() == original.tolist() and len(rows) == STEPS + 1
     assert not any(os.path.exists(m) for m in markers.values())
     assert sorted(os.listdir(run["work"])) == [NASTY]
 

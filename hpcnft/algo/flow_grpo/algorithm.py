@@ -67,17 +67,27 @@ class FlowGRPO:
         neg = None if cond.neg_prompt_embeds is None else (cond.neg_prompt_embeds[:1], cond.neg_pooled[:1])
         return Sampled(x0, cond, (states, log_probs[:, :k], neg))
 
-    def train_batch(self, step: int, ro, rewards: torch.Tensor, prompts: list[str], mine: range) -> GRPOBatch:
+    def train_batch(self, step: int, rollout, rewards: torch.Tensor, prompts: list[str], mine: range) -> GRPOBatch:
         cfg, g = self.cfg, self.cfg.grpo
         if cfg.rollout.samples_per_prompt == 1:  # no group to compare with: the step's batch is the group
             adv = grpo.batch_advantages(rewards)
         else:
             adv = grpo.group_advantages(rewards, prompts, g.global_std)
         kept = grpo.kept_per_update(adv, g.updates_per_step, cfg.train.seed, step) if g.drop_zero_advantage else None
-        neg = ro.kept[0][2]
-        return GRPOBatch(torch.cat([k[0] for k in ro.kept]), torch.cat([k[1] for k in ro.kept]),
-                         ro.prompt_embeds, ro.pooled, neg[0] if neg else None, neg[1] if neg else None,
+        neg = rollout.kept[0][2]
+        return GRPOBatch(torch.cat([k[0] for k in rollout.kept]), torch.cat([k[1] for k in rollout.kept]),
+                         rollout.prompt_embeds, rollout.pooled, neg[0] if neg else None, neg[1] if neg else None,
                          adv[mine.start:mine.stop], list(mine), cfg.samples_per_step, kept)
 
     def old_policy_decay(self, step: int) -> float:
         return 0.0
+
+    def synthetic_batch(self, n: int, k: int, cond, latent_shape, device) -> GRPOBatch:
+        g = torch.Generator().manual_seed(7)
+        states = torch.randn(n, k + 1, *latent_shape, generator=g).to(device)
+        old = (torch.randn(n, k, generator=g) * 1e-3 - 1.0).to(device)  # log-probabilities near the rollout's
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+        neg = None if cond.neg_prompt_embeds is None else (cond.neg_prompt_embeds[:1].to(device),
+                                                           cond.neg_pooled[:1].to(device))
+        return GRPOBatch(states, old, cond.prompt_embeds.to(device), cond.pooled.to(device),
+                         neg[0] if neg else None, neg[1] if neg else None, adv, list(range(n)), n)

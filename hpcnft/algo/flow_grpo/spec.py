@@ -16,6 +16,11 @@ class FlowGRPOSpec(AlgorithmSpec):
     plot_keys = ("train/grpo_loss", "train/grad_norm")
     old_policy_is = "pi_old, which Flow-GRPO sets to theta after every step: theta, which the rollouts sample with"
     implementation = "hpcnft.algo.flow_grpo.algorithm:FlowGRPO"
+    # its SD3.5-M PickScore recipe's (sd35m_pickscore_grpo): CFG 4.5 in the rollout and the trained
+    # forward, the KL to the base, 2 updates a step; DiffusionNFT's v_old levers and the fp8 rollout
+    # (which its ratio would measure) refused
+    bench_overrides = {"rollout.guidance_scale": 4.5, "grpo.kl_beta": 0.01, "grpo.updates_per_step": 2}
+    refused_levers = ("perf.old_pass_batch", "perf.v_old_fp8", "perf.rollout_fp8")
 
     def rank_sample_parts(self, cfg) -> int:
         return cfg.grpo.updates_per_step
@@ -24,6 +29,9 @@ class FlowGRPOSpec(AlgorithmSpec):
         """The trained forward and its backward over CFG's passes, the forward again under gradient
         checkpointing, the frozen base's for a KL term: no v_old pass."""
         return guidance_passes * (1 + cfg.train.grad_checkpointing + (cfg.grpo.kl_beta > 0)), guidance_passes
+
+    def one_update(self, cfg, k: int, micro_batch: int) -> dict[str, object]:
+        return {**super().one_update(cfg, k, micro_batch), "grpo.updates_per_step": 1}
 
     def check(self, cfg) -> None:
         refused = {"rollout.solver": (cfg.rollout.solver != "euler", "Flow-GRPO samples with its own SDE "

@@ -44,14 +44,20 @@ class NFT:
         x0, cond = self.models.generate(prompts, self.models.sigmas, noise, self.cfg.rollout.solver)
         return Sampled(x0, cond, None)
 
-    def train_batch(self, step: int, ro, rewards: torch.Tensor, prompts: list[str], mine: range) -> PairBatch:
+    def train_batch(self, step: int, rollout, rewards: torch.Tensor, prompts: list[str], mine: range) -> PairBatch:
         cfg = self.cfg
         groups = prompts if cfg.nft.group_by == "prompt" else None  # else G consecutive samples a group
         adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator, groups)
         r = nft.optimality_r(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)
-        return PairBatch(ro.x0, ro.prompt_embeds, ro.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
+        return PairBatch(rollout.x0, rollout.prompt_embeds, rollout.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
                          list(mine), cfg.samples_per_step * self.trained_steps())
 
     def old_policy_decay(self, step: int) -> float:
         e = self.cfg.ema
         return nft.ema_decay(step, e.ramp, e.max, e.flat_steps, e.flat_decay)
+
+    def synthetic_batch(self, n: int, k: int, cond, latent_shape, device) -> PairBatch:
+        x0 = torch.randn(n, *latent_shape, generator=torch.Generator().manual_seed(7)).to(device)
+        adv = torch.randn(n, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        return PairBatch(x0, cond.prompt_embeds.to(device), cond.pooled.to(device), adv,
+                         nft.optimality_r(adv, self.cfg.nft.adv_clip_max), list(range(n)), n * k)
