@@ -37,7 +37,6 @@ def main(size: int, cases: list[tuple[int, int]]) -> list[dict]:
     import torch
     from diffusers import SD3Transformer2DModel
 
-    from hpcnft.algo.nft import formulas as nft
     from hpcnft.algo.nft.pairs import PairBatch
     from hpcnft.algo.policy import Policy
     from hpcnft.algo.root_config import load_config
@@ -55,7 +54,7 @@ def main(size: int, cases: list[tuple[int, int]]) -> list[dict]:
     trainer = Trainer(cfg, policy, None, 1)
     sigmas = sigma_grid(scheduler(), cfg.rollout.num_steps)
     latent = (TINY_TRANSFORMER["in_channels"], size // 8, size // 8)
-    k = nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction)
+    k = cfg.trained_steps
 
     def batch(n: int) -> PairBatch:
         g = torch.Generator().manual_seed(n)

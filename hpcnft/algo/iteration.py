@@ -188,7 +188,7 @@ class Learner:
         mine = owned_range(cfg.samples_per_step, self.topo)
         ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
-        k = algorithm.trained_steps()
+        k = cfg.trained_steps
         batch = algorithm.train_batch(step, ro, rewards, self.step_prompts(step), mine)
         t_train = time.perf_counter()
         with span("train/step"):

@@ -62,9 +62,6 @@ class Algorithm(Protocol):
     def bind(self, models: RolloutModels) -> None:
         """What the rollout samples with, before the first begin_rollout."""
 
-    def trained_steps(self) -> int:
-        """K, the sampler steps each sample is trained at."""
-
     def pair_flops(self, flops) -> float:
         """The DiT work of one train pair (hpcnft.algo.flops.DitFlops), for perf/mfu_train."""
 

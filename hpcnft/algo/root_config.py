@@ -71,7 +71,8 @@ class Config:
 
     @property
     def trained_steps(self) -> int:
-        """K, the sampler steps each sample is trained at: the algorithm's timestep_fraction of them."""
+        """K, the sampler steps each sample is trained at: the algorithm's timestep_fraction of them
+        (int(T fraction), as train_sd3.py's train_timesteps and DiffusionNFT's). The one count of it."""
         return int(self.rollout.num_steps * spec_of(self.algo.name).timestep_fraction(self))
 
     def to_dict(self) -> dict:

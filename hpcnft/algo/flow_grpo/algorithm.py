@@ -36,9 +36,6 @@ class FlowGRPO:
     def bind(self, models: RolloutModels) -> None:
         self.models = models
 
-    def trained_steps(self) -> int:
-        return grpo.num_trained_steps(self.cfg.rollout.num_steps, self.cfg.grpo.timestep_fraction)
-
     def pair_flops(self, flops) -> float:
         """The DiT work of one train pair: the trained forward and backward (both CFG halves),
         and the KL reference's forward."""
@@ -59,7 +56,7 @@ class FlowGRPO:
         policy, dev = m.policy, m.device
         cond = m.encoder(prompts)
         sde = self._sde_noise.pop(0).result()
-        k = self.trained_steps()
+        k = cfg.trained_steps
         x0, states, log_probs = sde_sample(policy.transformer, noise.to(dev, non_blocking=noise.is_pinned()),
                                            sde.to(dev, non_blocking=sde.is_pinned()), m.sigmas, cond,
                                            cfg.rollout.guidance_scale, policy.compute_dtype, policy.autocast,

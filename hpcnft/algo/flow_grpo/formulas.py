@@ -102,11 +102,6 @@ def kl_to_reference(mean: torch.Tensor, mean_ref: torch.Tensor, std_dev_t: torch
     return kl.reshape(-1)
 
 
-def num_trained_steps(num_steps: int, fraction: float) -> int:
-    """K = int(T fraction): transitions 0..K-1 of each sample are trained (train_sd3.py's train_timesteps)."""
-    return int(num_steps * fraction)
-
-
 def update_of(sample_ids: list[int], updates: int, seed: int, step: int) -> list[int]:
     """Which of a step's `updates` optimizer updates each sample trains in: the samples U b .. U b + U - 1
     go one to each update, in an order drawn per block b (seed, step): every update takes a random

@@ -79,7 +79,7 @@ class GRPOTrainer(TrainerBase):
         """The step's updates over this rank's samples; returns the step's metrics (all ranks)."""
         cfg, g = self.cfg, self.cfg.grpo
         self.sigma_max = sigmas[1].item()  # as the rollout's SDE (sampler.sde_sample)
-        k = grpo.num_trained_steps(cfg.rollout.num_steps, g.timestep_fraction)
+        k = cfg.trained_steps
         update = grpo.update_of(batch.sample_ids, g.updates_per_step, cfg.train.seed, step)
         kept = batch.kept_per_update or [batch.n_global_samples // g.updates_per_step] * g.updates_per_step
         dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=self.policy.device)

@@ -29,9 +29,6 @@ class NFT:
     def bind(self, models: RolloutModels) -> None:
         self.models = models
 
-    def trained_steps(self) -> int:
-        return nft.num_trained_sigmas(self.cfg.rollout.num_steps, self.cfg.nft.timestep_fraction)
-
     def pair_flops(self, flops) -> float:
         """The DiT work of one train pair: v_old, and the trained forward and backward."""
         return flops.train_pair
@@ -50,7 +47,7 @@ class NFT:
         adv = nft.advantages(rewards, cfg.rollout.samples_per_prompt, cfg.nft.std_estimator, groups)
         r = nft.optimality_r(adv, cfg.nft.adv_clip_max, cfg.nft.adv_mode)
         return PairBatch(rollout.x0, rollout.prompt_embeds, rollout.pooled, adv[mine.start:mine.stop], r[mine.start:mine.stop],
-                         list(mine), cfg.samples_per_step * self.trained_steps())
+                         list(mine), cfg.samples_per_step * cfg.trained_steps)
 
     def old_policy_decay(self, step: int) -> float:
         e = self.cfg.ema

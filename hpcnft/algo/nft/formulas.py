@@ -57,19 +57,14 @@ def optimality_r(adv: torch.Tensor, clip_max: float, mode: str = "all") -> torch
     return (a / clip_max / 2 + 0.5).clamp(0.0, 1.0)
 
 
-def num_trained_sigmas(num_steps: int, fraction: float) -> int:
-    return int(num_steps * fraction)
-
-
-def trained_sigma_indices(num_steps: int, fraction: float, strategy: str, shuffle: bool, seed: int,
+def trained_sigma_indices(num_steps: int, k: int, strategy: str, shuffle: bool, seed: int,
                           sample_index: int) -> list[int]:
     """Which rollout-grid sigmas (indices into the grid without its terminal 0) a sample trains on.
 
     "first": the first K of the grid (sigma_0..sigma_{K-1}; miles), order permuted per sample when
     `shuffle`. "random_per_sample" (or its older name "drop_random"): the first K of a per-sample
     permutation of all T steps, i.e. K of the T drawn without replacement, in random order
-    (official: torch.randperm(T) per sample, the first K trained)."""
-    k = num_trained_sigmas(num_steps, fraction)
+    (official: torch.randperm(T) per sample, the first K trained). K is the config's trained_steps."""
     g = torch.Generator().manual_seed(stable_hash("nft_sigma_shuffle", seed, sample_index))
     if strategy in ("random_per_sample", "drop_random"):
         return torch.randperm(num_steps, generator=g)[:k].tolist()

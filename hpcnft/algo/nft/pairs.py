@@ -40,7 +40,7 @@ def train_sigma_pairs(cfg: Config, sample_ids: list[int], step: int) -> list[tup
     """(local sample position, sigma grid index) for every pair, sample-major."""
     out = []
     for pos, sid in enumerate(sample_ids):
-        idx = nft.trained_sigma_indices(cfg.rollout.num_steps, cfg.nft.timestep_fraction,
+        idx = nft.trained_sigma_indices(cfg.rollout.num_steps, cfg.trained_steps,
                                         cfg.nft.timestep_strategy, cfg.nft.shuffle_timesteps, cfg.train.seed,
                                         stable_hash(step, sid))
         out += [(pos, j) for j in idx]

@@ -117,7 +117,7 @@ class Trainer(TrainerBase):
 
     def _metrics(self, s: dict[str, float], grad_norm: float, skipped: bool, scale: float) -> dict[str, float]:
         n = s["pairs"]
-        k = nft.num_trained_sigmas(self.cfg.rollout.num_steps, self.cfg.nft.timestep_fraction)
+        k = self.cfg.trained_steps
         out = {
             "train/nft_loss": s["loss"] / n * k,
             "train/nft_loss_per_pair": s["loss"] / n,

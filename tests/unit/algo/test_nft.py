@@ -13,6 +13,7 @@ import torch
 
 from hpcnft.algo import shared_math
 from hpcnft.algo.nft import formulas as nft
+from hpcnft.algo.root_config import load_config
 from hpcnft.models.families.sd3 import dit_timestep
 from hpcnft.algo.sampler import sigma_grid, velocity
 
@@ -106,21 +107,22 @@ def test_mean_r_of_zero_mean_groups_is_one_half():
 # §1.4 trained sigmas and the sigma grid
 # ---------------------------------------------------------------------------------------------
 def test_k_is_nine():
-    assert nft.num_trained_sigmas(10, 0.99) == int(10 * 0.99) == 9
+    cfg = load_config("tiny")
+    assert (cfg.rollout.num_steps, cfg.nft.timestep_fraction, cfg.trained_steps) == (10, 0.99, 9)
 
 
 def test_first_strategy_is_a_seeded_permutation_of_the_first_nine():
-    perms = [nft.trained_sigma_indices(10, 0.99, "first", True, 1234, i) for i in range(20)]
+    perms = [nft.trained_sigma_indices(10, 9, "first", True, 1234, i) for i in range(20)]
     for p in perms:
         assert sorted(p) == list(range(9))  # sigma_0..sigma_8; sigma_9 never trained
         assert 9 not in p
     # reproducible
-    assert perms == [nft.trained_sigma_indices(10, 0.99, "first", True, 1234, i) for i in range(20)]
+    assert perms == [nft.trained_sigma_indices(10, 9, "first", True, 1234, i) for i in range(20)]
     # differs between samples (20 identical permutations of 9 would mean no per-sample seeding)
     assert len({tuple(p) for p in perms}) > 1
     assert perms[0] != perms[1] or perms[1] != perms[2]
     # and between seeds
-    other = [nft.trained_sigma_indices(10, 0.99, "first", True, 4321, i) for i in range(20)]
+    other = [nft.trained_sigma_indices(10, 9, "first", True, 4321, i) for i in range(20)]
     assert other != perms
 
 
@@ -128,22 +130,22 @@ def test_first_strategy_seeding_follows_the_spec():
     # §1.4: torch.randperm(9) with a generator seeded stable_hash("nft_sigma_shuffle", seed, index)
     for index in (0, 5, 123456):
         g = torch.Generator().manual_seed(blake63("nft_sigma_shuffle", 1234, index))
-        assert nft.trained_sigma_indices(10, 0.99, "first", True, 1234, index) == \
+        assert nft.trained_sigma_indices(10, 9, "first", True, 1234, index) == \
             torch.randperm(9, generator=g).tolist()
 
 
 def test_first_strategy_without_shuffle_is_in_order():
     for i in (0, 1, 99):
-        assert nft.trained_sigma_indices(10, 0.99, "first", False, 1234, i) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+        assert nft.trained_sigma_indices(10, 9, "first", False, 1234, i) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_drop_random_drops_one_random_sigma_per_sample():
     dropped = []
     for i in range(200):
-        p = nft.trained_sigma_indices(10, 0.99, "drop_random", True, 1234, i)
+        p = nft.trained_sigma_indices(10, 9, "drop_random", True, 1234, i)
         assert len(p) == 9 and len(set(p)) == 9 and set(p) <= set(range(10))
         dropped.append((set(range(10)) - set(p)).pop())
-        assert p == nft.trained_sigma_indices(10, 0.99, "drop_random", True, 1234, i)  # seeded
+        assert p == nft.trained_sigma_indices(10, 9, "drop_random", True, 1234, i)  # seeded
     assert 9 in dropped  # sigma_9 can be dropped ...
     assert any(d != 9 for d in dropped)  # ... or kept
     assert len(set(dropped)) > 2

@@ -342,20 +342,20 @@ def test_the_dit_sees_the_same_values_as_with_the_official_long_timestep(tiny_di
 def test_random_per_sample_is_the_official_draw_with_the_same_generator():
     from hpcnft.common.determinism import stable_hash
 
-    T, K = 10, nft.num_trained_sigmas(10, 0.99)
+    T, K = 10, 9
     for i in range(50):
         g = torch.Generator().manual_seed(stable_hash("nft_sigma_shuffle", 1234, i))
         official = torch.stack([torch.randperm(T, generator=g)])[0, :K].tolist()  # perms_time[:, :K]
-        assert nft.trained_sigma_indices(T, 0.99, "random_per_sample", True, 1234, i) == official
+        assert nft.trained_sigma_indices(T, K, "random_per_sample", True, 1234, i) == official
         # the older name draws the same
-        assert nft.trained_sigma_indices(T, 0.99, "drop_random", True, 1234, i) == official
+        assert nft.trained_sigma_indices(T, K, "drop_random", True, 1234, i) == official
 
 
 def test_random_per_sample_law_is_k_of_t_uniform_in_random_order():
     """The official law: each sample's K sigmas a uniformly random K-subset of the T, in uniformly
     random order. 4,000 draws: every subset (10 of them for K=9) and every first index near 1/10."""
     n, T = 4000, 10
-    draws = [nft.trained_sigma_indices(T, 0.99, "random_per_sample", True, 99, i) for i in range(n)]
+    draws = [nft.trained_sigma_indices(T, 9, "random_per_sample", True, 99, i) for i in range(n)]
     assert all(len(d) == 9 and len(set(d)) == 9 for d in draws)
     dropped = Counter((set(range(T)) - set(d)).pop() for d in draws)
     first = Counter(d[0] for d in draws)
@@ -364,7 +364,7 @@ def test_random_per_sample_law_is_k_of_t_uniform_in_random_order():
         chi2 = sum((c - n / T) ** 2 / (n / T) for c in counts.values())
         assert chi2 < 27.9, counts  # the 99.9 % point of chi-square with 9 degrees of freedom
     # K = 5 of 10: all 252 subsets occur
-    subsets = Counter(frozenset(nft.trained_sigma_indices(T, 0.5, "random_per_sample", True, 7, i))
+    subsets = Counter(frozenset(nft.trained_sigma_indices(T, 5, "random_per_sample", True, 7, i))
                       for i in range(n))
     assert len(subsets) == math.comb(T, 5)
 
@@ -527,7 +527,7 @@ def test_the_official_recipe_holds_the_official_values():
     assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.samples_per_step) == (48, 24, 1152)
     assert (cfg.rollout.num_steps, cfg.rollout.solver, cfg.rollout.integer_timesteps) == (10, "dpm2", True)
     assert (cfg.rollout.max_sequence_length, cfg.rollout.guidance_scale, cfg.rollout.height) == (128, 1.0, 512)
-    assert nft.num_trained_sigmas(cfg.rollout.num_steps, cfg.nft.timestep_fraction) == 9
+    assert cfg.trained_steps == 9
     assert (cfg.nft.timestep_strategy, cfg.nft.std_estimator, cfg.nft.kl_beta) == ("random_per_sample", "population",
                                                                                    1e-4)
     assert (cfg.nft.group_by, cfg.nft.adv_mode, cfg.nft.beta, cfg.nft.adv_clip_max) == ("prompt", "all", 1.0, 5.0)
