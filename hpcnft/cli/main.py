@@ -10,7 +10,7 @@ import os
 import sys
 
 from hpcnft.common import collector
-from hpcnft.common.errors import UsageError
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UsageError
 
 DESCRIPTION = ("DiffusionNFT (or Flow-GRPO) fine-tuning of Stable Diffusion 3.5 and FLUX.1-dev against PickScore or "
                "a weighted mix of reward terms, as one torch.distributed job, and the tools around its runs.")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         _top_parser().parse_args(argv or ["--help"])
-        return 2
+        return EXIT_BAD_INPUT
     name = argv[0]
     module_name, help_ = COMMANDS[name]
     if name == "run":  # a stop signal during the imports is kept for the job to act on
@@ -74,7 +74,7 @@ def _run_command(name: str, module_name: str, help_: str, argv: list[str]) -> in
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         print(f"hpcnft {name}: unavailable ({e})", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     parser = OneLineParser(prog=f"hpcnft {name}", description=help_)
     module.add_arguments(name, parser)
     args = parser.parse_args(argv[1:])
@@ -84,7 +84,7 @@ def _run_command(name: str, module_name: str, help_: str, argv: list[str]) -> in
         return int(module.main(name, args) or 0)
     except UsageError as e:
         print(f"hpcnft {name}: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print(f"hpcnft {name}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED
+
 
 def add_arguments(name: str, p) -> None:
     from hpcnft.models.made.manifest import MANIFESTS
@@ -30,10 +32,10 @@ def main(name: str, args) -> int:
                            say=lambda text: print(f"hpcnft make-weights: {text}", flush=True))
     except (MakeError, ModelError) as e:
         print(f"hpcnft make-weights: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except OSError as e:
         print(f"hpcnft make-weights: error: {args.dir}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print(f"hpcnft make-weights: {made.path}: {made.bytes / 2**30:.2f} GiB in {made.seconds:.0f} s (seed {args.seed})",
           flush=True)
     return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
-from hpcnft.common.errors import UsageError, one_line
+from hpcnft.common.errors import EXIT_FAILED, UsageError, one_line
 
 
 def add_arguments(name: str, p) -> None:
@@ -106,7 +106,7 @@ def main(name: str, args) -> int:
             rows = score_all(loaded, items)
         except ScoringFailed as e:
             print(f"hpcnft {name}: error: {e}", file=sys.stderr)
-            return 1
+            return EXIT_FAILED
     for text in warnings:
         print(f"hpcnft {name}: warning: {text}", file=sys.stderr)
     if args.json:

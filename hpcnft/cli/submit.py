@@ -7,6 +7,7 @@ import sys
 import time
 
 from hpcnft.cli.run import add_arguments as add_run_arguments
+from hpcnft.common.errors import EXIT_FAILED
 from hpcnft.run.submit import CLUSTERS, prepare
 
 
@@ -56,6 +57,6 @@ def follow(job) -> int:
         text = str(e).strip().splitlines()  # submitit's last line names the failure
         print(f"hpcnft submit: job {job.job_id} failed: {text[-1] if text else type(e).__name__}",
               file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     print(f"job {job.job_id} finished: {job.state}")
     return 0

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
+from hpcnft.common.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed import preempt
 from hpcnft.distributed.interpreter import module_command, python_env
 from hpcnft.distributed.launch import LOOPBACK, MASTER_LISTEN_FD_ENV
@@ -129,7 +129,8 @@ class AdoptedRank:
 
 
 def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]],
-               fds: list[tuple[int, ...]], close_fds: tuple[int, ...]) -> list[AdoptedRank] | str:
+               fds: list[tuple[int, ...]], close_fds: tuple[int, ...],
+               server_env: dict[str, str] | None = None) -> list[AdoptedRank] | str:
     """Start the fork server (distributed.fork_server) with `fork` = (prepare, entry) specs, let
     it import the ranks' libraries, then have it fork one rank per env: the adopted ranks. A
     stop signal that came while it imported (preempt.catch_early kept it) forks nothing: its
@@ -140,7 +141,7 @@ def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]
     reply_r, reply_w = os.pipe()
     server = subprocess.Popen([*FORK_SERVER_COMMAND, "--request-fd", str(request_r), "--reply-fd", str(reply_w),
                                "--spawner-pid", str(os.getpid())],
-                              pass_fds=(request_r, reply_w, *close_fds), env=python_env(os.environ))
+                              pass_fds=(request_r, reply_w, *close_fds), env=dict(python_env(os.environ), **(server_env or {})))
     os.close(request_r)
     os.close(reply_w)
     with os.fdopen(request_w, "w") as requests, os.fdopen(reply_r, "r") as replies:
@@ -164,10 +165,10 @@ def fork_ranks(fork: tuple[str, str], argv: list[str], envs: list[dict[str, str]
     return [AdoptedRank(pid) for pid in pids]
 
 
-def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = 75,
+def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0, preempted_code: int = EXIT_PREEMPTED,
                 command: tuple[str, ...] = RANK_COMMAND,
                 rank0_fd: tuple[str, int] | None = None, fork: tuple[str, str] | None = None,
-                resume_hint=None, failure_claim=None) -> int:
+                resume_hint=None, failure_claim=None, env: dict[str, str] | None = None) -> int:
     """Run `python -P -m hpcnft.run.rank <argv>` as `world_size` local ranks; forward signals; when a rank
     fails, give the others `grace_s` to notice and report, then stop them. Returns the exit
     code of the first rank that failed (128+signal for a signal), else 0; 130 after a Ctrl-C.
@@ -182,7 +183,8 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
     run dir stands then: from which checkpoint, or from the start).
     `failure_claim` (run.failures.FailureClaim of the run dir): the ranks' claim of the job's
     first failure; the spawner claims it for a rank killed by a signal (which cannot), and names
-    its holder as the rank that failed rather than the first one it saw exit."""
+    its holder as the rank that failed rather than the first one it saw exit. `env`: variables
+    every rank (and the fork server, for its prepare) gets beside this process's."""
 
     def say(text: str) -> None:
         print(f"hpcnft: {text}", file=sys.stderr, flush=True)
@@ -193,26 +195,27 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
             rank0_fds[rank0_fd[0]] = rank0_fd[1]
         envs, fds = [], []
         for rank in range(world_size):
-            env = dict(python_env(os.environ), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK,
-                       MASTER_PORT=str(rendezvous.getsockname()[1]),
-                       HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
+            rank_env = dict(python_env(os.environ), **(env or {}), RANK=str(rank), WORLD_SIZE=str(world_size),
+                            LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK,
+                            MASTER_PORT=str(rendezvous.getsockname()[1]),
+                            HPCNFT_LAUNCHER="local", **{SPAWNER_PID_ENV: str(os.getpid())})
             for name, fd in rank0_fds.items():
-                env.pop(name, None)
+                rank_env.pop(name, None)
                 if rank == 0:
-                    env[name] = str(fd)
-            envs.append(env)
+                    rank_env[name] = str(fd)
+            envs.append(rank_env)
             fds.append(tuple(rank0_fds.values()) if rank == 0 else ())
         early = preempt.early_signal()
         if fork is not None and not early:
             try:
-                procs = fork_ranks(fork, argv, envs, fds, tuple(rank0_fds.values()))
+                procs = fork_ranks(fork, argv, envs, fds, tuple(rank0_fds.values()), env)
             except (OSError, RuntimeError) as e:  # its traceback, if any, is above
                 say(f"cannot start the ranks: {e}")
-                return 1
+                return EXIT_FAILED
             early = procs if isinstance(procs, str) else ""
         elif not early:
-            procs = [subprocess.Popen([*command, *argv], env=env, pass_fds=keep) for env, keep in zip(envs, fds)]
+            procs = [subprocess.Popen([*command, *argv], env=e, pass_fds=keep) for e, keep in zip(envs, fds)]
     if early:
         say(f"{early} before the ranks started: nothing to save")
         return preempted_code
@@ -288,5 +291,5 @@ def spawn_local(argv: list[str], world_size: int, role_of, grace_s: float = 15.0
         return 0
     _, code = first_failure
     if signal.SIGINT in received and code in (*STOP_CODES, preempted_code):
-        return 130
+        return EXIT_INTERRUPTED
     return 128 - code if code < 0 else code

@@ -45,13 +45,13 @@ def start(recipe: str, overrides: list[str], run_dir: str | None, steps: int | N
 
         guard_std_streams()  # a closed output stops the spawner's printing, never the spawner; its ranks stop
         collector.settle()
-        return spawn_job(cfg, recipe, overrides, steps)
+        return spawn_job(cfg, recipe, overrides)
     from hpcnft.run.entry import rank_main
 
     return rank_main(cfg, info, recipe, overrides)
 
 
-def spawn_job(cfg, recipe: str, overrides: list[str], steps: int | None) -> int:
+def spawn_job(cfg, recipe: str, overrides: list[str]) -> int:
     """No launcher: check the input, take the run dir, then start the ranks. This process holds
     the run dir's lock while the ranks run and hands it to rank 0, so a second start is refused
     before it spawns anything."""
@@ -75,7 +75,7 @@ def spawn_job(cfg, recipe: str, overrides: list[str], steps: int | None) -> int:
         if finished:  # said before any rank starts
             print(f"hpcnft: {finished}", flush=True)
             return EXIT_OK
-        code = spawn_ranks(cfg, recipe, overrides, steps, rank0_fd=(INHERITED_FD_ENV, lock.fd))
+        code = spawn_ranks(cfg, recipe, overrides, rank0_fd=(INHERITED_FD_ENV, lock.fd))
     finally:
         lock.release()
     if code == EXIT_BAD_INPUT and created:
@@ -96,14 +96,9 @@ def remove_if_unused(run_dir: str) -> None:
         pass
 
 
-def rank_argv(recipe: str, overrides: list[str], run_dir: str, steps: int | None) -> list[str]:
-    """The command line of a spawned rank (hpcnft.run.rank)."""
-    argv = [recipe, "--run-dir", run_dir, *[word for item in overrides for word in ("--set", item)]]
-    return argv + (["--steps", str(steps)] if steps is not None else [])
-
-
-def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0_fd) -> int:
+def spawn_ranks(cfg, recipe: str, overrides: list[str], rank0_fd) -> int:
     from hpcnft.distributed.spawner import ranks_can_fork, spawn_local
+    from hpcnft.run.rank import handover
 
     world = local_world_size(cfg)
     train, reward = roles(world, cfg.layout.reward_ranks)
@@ -113,10 +108,10 @@ def spawn_ranks(cfg, recipe: str, overrides: list[str], steps: int | None, rank0
     claim = FailureClaim(cfg.run_dir)
     claim.clear()
     resume = resume_command(recipe, overrides, cfg.run_dir, cfg.steps)
-    code = spawn_local(rank_argv(recipe, overrides, cfg.run_dir, steps), world,
-                       lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, fork=fork,
+    # the config as resolved here, whole: no rank parses the recipe or the --set strings again
+    code = spawn_local([], world, lambda r: "reward" if r in reward else "train", rank0_fd=rank0_fd, fork=fork,
                        preempted_code=EXIT_PREEMPTED, resume_hint=lambda: resume_line(cfg.run_dir, resume),
-                       failure_claim=claim)
+                       failure_claim=claim, env=handover(cfg, recipe, overrides))
     if code not in CHECKPOINTED_OR_REFUSED:  # a rank failed: the steps up to the last checkpoint are kept
         print(f"hpcnft: {resume_line(cfg.run_dir, resume)}", file=sys.stderr, flush=True)
     sys.stdout.flush()

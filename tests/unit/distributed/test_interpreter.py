@@ -38,9 +38,10 @@ def test_planted_modules_run_in_a_plain_python_m_the_control(planted):
 
 
 def test_a_rank_started_as_a_new_interpreter_never_runs_them(planted):
-    r = subprocess.run([*spawner.RANK_COMMAND, "--help"], capture_output=True, text=True,
-                       env=interpreter.python_env(os.environ), timeout=120)
-    assert r.returncode == 0 and "hpcnft.run.rank" in r.stdout, r.stderr
+    env = {k: v for k, v in interpreter.python_env(os.environ).items() if k != "HPCNFT_START"}
+    r = subprocess.run(spawner.RANK_COMMAND, capture_output=True, text=True, env=env, timeout=120)
+    # started by hand (no config handed over): one line, exit 2, and nothing of the cwd imported
+    assert r.returncode == 2 and r.stderr.startswith("hpcnft.run.rank: ") and len(r.stderr.splitlines()) == 1
     assert not os.path.exists(planted)
 
 

@@ -156,12 +156,14 @@ def test_ranks_fork_only_where_no_rank_can_use_a_gpu(monkeypatch):
 def test_the_spawner_imports_no_torch_and_a_cpu_jobs_ranks_are_forked_into_their_entry(tmp_path, device, forked):
     """`hpcnft run` with no launcher, up to the moment it starts the ranks: the spawner has
     imported no torch, for a GPU job (its ranks are new interpreters running hpcnft.run.rank)
-    and a CPU job alike (a fork server preloads hpcnft.run.rank and forks ranks into its main)."""
+    and a CPU job alike (a fork server preloads hpcnft.run.rank and forks ranks into its main);
+    the ranks get no arguments, the resolved config is handed over (run.rank.START_ENV)."""
     probe = ("import json, sys\n"
              "from hpcnft.distributed import spawner\n"
              "def record(argv, world, role_of, fork=None, **kw):\n"
              "    print(json.dumps({'torch': 'torch' in sys.modules, 'argv': argv, 'world': world, 'fork': fork,\n"
-             "                      'command': list(kw.get('command', spawner.RANK_COMMAND))}))\n"
+             "                      'command': list(kw.get('command', spawner.RANK_COMMAND)),\n"
+             "                      'handed': json.loads(kw['env']['HPCNFT_START'])}))\n"
              "    return 0\n"
              "spawner.spawn_local = record\n"
              "from hpcnft.cli.main import main\n"
@@ -173,9 +175,12 @@ def test_the_spawner_imports_no_torch_and_a_cpu_jobs_ranks_are_forked_into_their
                         f"layout.device={device}"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     seen = json.loads(r.stdout.splitlines()[-1])
-    assert seen == {"torch": False, "argv": ["tiny", "--run-dir", run_dir, "--set", f"layout.device={device}"],
-                    "world": 3, "fork": ["hpcnft.run.rank:preload", "hpcnft.run.rank:main"] if forked else None,
+    handed = seen.pop("handed")
+    assert seen == {"torch": False, "argv": [], "world": 3,
+                    "fork": ["hpcnft.run.rank:preload", "hpcnft.run.rank:main"] if forked else None,
                     "command": [sys.executable, "-P", "-m", "hpcnft.run.rank"]}
+    assert (handed["recipe"], handed["overrides"]) == ("tiny", [f"layout.device={device}"])
+    assert handed["config"]["run_dir"] == run_dir and handed["config"]["layout"]["device"] == device
 
 
 def test_a_stop_signal_that_kills_ranks_before_their_handlers_is_a_preemption(capfd):
