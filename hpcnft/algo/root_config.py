@@ -39,9 +39,10 @@ __all__ = ["Config", "ConfigError", "config_from_dict", "load_config"]
 
 
 class Config:
-    steps: int = setting(100, "run until this step", bound="> 0")
-    run_dir: str = setting("", "the run's folder (`--run-dir`); empty: `runs/<recipe>-<date>-<time>`")
-    umask: str = setting("077", "octal file-creation mask of every rank (run dir, run.h5, logs, checkpoints)")
+    steps: int = setting(100, "run until this step", bound="> 0", on_resume="free")
+    run_dir: str = setting("", "the run's folder (`--run-dir`); empty: `runs/<recipe>-<date>-<time>`", on_resume="free")
+    umask: str = setting("077", "octal file-creation mask of every rank (run dir, run.h5, logs, checkpoints)",
+                         on_resume="free")
     algo: AlgoConfig = section(AlgoConfig)
     models: ModelsConfig = section(ModelsConfig)
     data: DataConfig = section(DataConfig)
@@ -89,8 +90,8 @@ class Config:
         r = self.rollout
         self.check_algorithm()
         if self.trained_steps < 1:
-            raise ConfigError(f"{spec_of(self.algo.name).section}.timestep_fraction: trains no sigma at rollout.num_steps "
-                              f"{r.num_steps} (needs num_steps * fraction >= 1)")
+            raise ConfigError(f"{spec_of(self.algo.name).section}.timestep_fraction: trains no sigma at "
+                              f"rollout.num_steps {r.num_steps} (needs num_steps * fraction >= 1)")
         if self.perf.fused_lora and self.train.finetune != "lora":
             raise ConfigError("perf.fused_lora: needs train.finetune=\"lora\"")
         family = self.models.family

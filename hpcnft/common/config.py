@@ -26,16 +26,27 @@ from hpcnft.common.recipe_files import read_recipe
 BOUNDS = ("> 0", ">= 0", "[0, 1]")
 
 
+# on_resume: whether a resume may change a key from its checkpoint's config. "fixed": refused (what
+# is scored or trained, how); "free": allowed (run length, where to write, how to wait, how to
+# lay the job out: the results do not depend on it); "warn": allowed with a warning (where and how
+# patiently a remote term asks, not what it scores)
+ON_RESUME = ("fixed", "free", "warn")
+
+
 def setting(default, doc: str, *, choices: typing.Iterable[str] = (), bound: str | tuple[str, ...] = "",
-            at_most: float | None = None, infinite: bool = False):
+            at_most: float | None = None, infinite: bool = False, on_resume: str = "fixed"):
     """A config key: `default`; `doc`, its meaning in one line (markdown); the value one of
     `choices`, within `bound` ("> 0", ">= 0" or "[0, 1]", or several, checked in that order;
-    then finite unless `infinite`) and at most `at_most`."""
+    then finite unless `infinite`) and at most `at_most`; whether a resume may change it
+    (`on_resume`, one of ON_RESUME)."""
     bounds = (bound,) if isinstance(bound, str) else tuple(bound)
     bounds = tuple(b for b in bounds if b)
     if any(b not in BOUNDS for b in bounds):
         raise ValueError(f"bound {bound!r} is not within {BOUNDS}")
-    meta = {"doc": doc, "choices": tuple(choices), "bounds": bounds, "at_most": at_most, "infinite": infinite}
+    if on_resume not in ON_RESUME:
+        raise ValueError(f"on_resume {on_resume!r} is not one of {ON_RESUME}")
+    meta = {"doc": doc, "choices": tuple(choices), "bounds": bounds, "at_most": at_most, "infinite": infinite,
+            "on_resume": on_resume}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -175,6 +186,12 @@ def documented_keys(cls, prefix: str = ""):
             yield from documented_keys(typing.get_args(typ)[0], f"{prefix}{f.name}[].")
 
 
+def keys_on_resume(cls, how: str) -> set[str]:
+    """The keys under `cls` declared with on_resume=`how` (a key of a list's entries as
+    reward.terms[].url)."""
+    return {key for key, f, _ in documented_keys(cls) if f.metadata.get("on_resume", "fixed") == how}
+
+
 def _literal(value) -> str:
     """A value as TOML writes it."""
     if isinstance(value, bool):
@@ -199,6 +216,9 @@ def allowed(f: dataclasses.Field) -> str:
         parts.append(("within " if bound.startswith("[") else "") + bound + (", finite" if finite else ""))
     if m.get("at_most") is not None:
         parts.append(f"<= {m['at_most']:g}")
+    resume = m.get("on_resume", "fixed")
+    if resume != "fixed":
+        parts.append("a resume may change it" + (" (with a warning)" if resume == "warn" else ""))
     return "; ".join(p for p in parts if p)
 
 

@@ -24,14 +24,15 @@ class LayoutConfig:
     device: str = setting("auto", "where the ranks compute: `auto` (a GPU where there is one), `cpu` or `cuda`",
                           choices=DEVICES)
     timeout_s: float = setting(600.0, "seconds collectives and reward traffic wait", bound="> 0",
-                               at_most=MAX_TIMEOUT_S)
+                               at_most=MAX_TIMEOUT_S, on_resume="free")
     emulate_hosts: bool = setting(
         False, "several NCCL ranks on one GPU, each claiming a host of its own (NCCL_HOSTID) so that NCCL accepts "
-        "them: to try a layout's code paths on one GPU, for correctness, not speed (the ranks then talk over sockets)")
+        "them: to try a layout's code paths on one GPU, for correctness, not speed (the ranks then talk over sockets)",
+        on_resume="free")
     stagger_loads: str = setting(
         "auto", "the train ranks of one host load the base transformer one at a time (it sits in host memory in fp32 "
         "until cast: FLUX.1-dev's is 44 GiB): `auto` where all at once would take over 80 % of the memory available "
-        "as they start, `always`, `never`", choices=STAGGER)
+        "as they start, `always`, `never`", choices=STAGGER, on_resume="free")
 
     def check(self) -> None:
         if self.emulate_hosts and (self.backend == "gloo" or self.device == "cpu"):
@@ -41,10 +42,11 @@ class LayoutConfig:
 
 @dataclass
 class PreemptConfig:
-    signal: str = setting("SIGUSR2", "the signal that checkpoints and stops the run (`#SBATCH --signal=USR2@120`)")
-    handle_sigterm: bool = setting(True, "SIGTERM checkpoints and stops the run too")
+    signal: str = setting("SIGUSR2", "the signal that checkpoints and stops the run (`#SBATCH --signal=USR2@120`)",
+                          on_resume="free")
+    handle_sigterm: bool = setting(True, "SIGTERM checkpoints and stops the run too", on_resume="free")
     requeue: bool = setting(True, "under Slurm, rank 0 runs `scontrol requeue $SLURM_JOB_ID` after a preemption "
-                                  "checkpoint")
+                                  "checkpoint", on_resume="free")
 
 
 def local_world_size(cfg) -> int:

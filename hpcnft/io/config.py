@@ -28,20 +28,22 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = setting(20, "a checkpoint every this many steps (0: only at the end and on preemption)", bound=">= 0")
-    keep: int = setting(2, "the newest checkpoints kept (older ones are deleted)", bound="> 0")
-    at_end: bool = setting(True, "a checkpoint at the last step")
+    every: int = setting(20, "a checkpoint every this many steps (0: only at the end and on preemption)", bound=">= 0",
+                         on_resume="free")
+    keep: int = setting(2, "the newest checkpoints kept (older ones are deleted)", bound="> 0", on_resume="free")
+    at_end: bool = setting(True, "a checkpoint at the last step", on_resume="free")
 
 
 @dataclass
 class LoggingConfig:
     sample_grid_every: int = setting(10, "a PNG grid of rollout images at step 1 and every this many steps (0: none)",
-                                     bound=">= 0")
-    sample_grid_images: int = setting(16, "rollout images in each sample grid (0: no grid)", bound=">= 0")
+                                     bound=">= 0", on_resume="free")
+    sample_grid_images: int = setting(16, "rollout images in each sample grid (0: no grid)", bound=">= 0",
+                                      on_resume="free")
     trackers: list[str] = setting(
         [], "live trackers fed by rank 0, every metrics row and every sample grid: `[\"tensorboard\"]`, "
         "`[\"wandb\"]` or both (extras `hpcnft[tensorboard]`, `hpcnft[wandb]`); run.h5 stays the record, a failing "
-        "tracker is dropped; may change on resume")
+        "tracker is dropped; may change on resume", on_resume="free")
 
     def check(self) -> None:
         for name in self.trackers:

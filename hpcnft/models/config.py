@@ -23,4 +23,4 @@ class ModelsConfig:
     pickscore_dir: str = setting("", "the PickScore model folder; empty: the tiny PickScore")
     pickscore_processor_dir: str = setting("", "PickScore's processor folder (CLIP-H's); empty: `models.pickscore_dir`")
     tiny_cache: str = setting("", "where the tiny models are built; empty: `$HPCNFT_CACHE/tiny-models`, or "
-                              "`~/.cache/hpcnft/tiny-models`")
+                              "`~/.cache/hpcnft/tiny-models`", on_resume="free")

@@ -98,7 +98,7 @@ class PerfConfig:
         "per-linear groups; SD3 only. Numerics: GEMM rounding")
     overlap_reward: bool = setting(
         False, "world 1: PickScore of a chunk in a worker thread while the next chunk samples "
-        "(`LocalRewardClient`). Numerics: identical")
+        "(`LocalRewardClient`). Numerics: identical", on_resume="free")
     compile_vae: bool = setting(
         False, "torch.compile of the VAE decoder (helper: `prepare_vae`); GPU only. Numerics: fused kernels round "
         "differently")
@@ -146,7 +146,7 @@ class PerfConfig:
         "(`ignored_params`), so no forward or backward gathers the base over the network, and with the adapters "
         "alone in FSDP2's groups the blocks compile (`compile_blocks`) and fuse (`fused_lora`) on several ranks too "
         "(speed lever: every rank holds the whole base, SD3.5-M's 4.9 GB in fp16, instead of its share). Numerics: "
-        "identical")
+        "identical", on_resume="free")
     base_fp8_storage: bool = setting(
         False, "a LoRA run's frozen base linears of the DiT's blocks stored in fp8 (e4m3, one fp32 scale per output "
         "channel: half the bytes of fp16) and widened back to the compute dtype for each product "

@@ -50,17 +50,17 @@ class RewardTermConfig:
                                  "with its extra)")
     processor_dir: str = setting("", "the term's processor (tokenizer) folder; empty: the kind's own (mostly `model_dir`)")
     weights: str = setting("", "a checkpoint file the kind needs beside its folder (hpsv2, aesthetic)")
-    url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)")
-    timeout_s: float = setting(60.0, "remote: seconds to wait for a reply; may change on resume, with a warning")
+    url: str = setting("", "remote: the scorer's http:// or https:// URL (`hpcnft reward-server`)", on_resume="warn")
+    timeout_s: float = setting(60.0, "remote: seconds to wait for a reply", on_resume="warn")
     retry_for_s: float = setting(
         300.0, "remote: seconds a request keeps retrying a server that is down, restarting or busy (backoff with "
         "jitter) before the job stops with a checkpoint of the steps done (exit 69); with `timeout_s`, less than "
-        "`layout.timeout_s`; may change on resume, with a warning")
-    retries: int = setting(-1, "remote: the most retries of a request within `retry_for_s` (-1: no such limit); may "
-                               "change on resume, with a warning")
+        "`layout.timeout_s`", on_resume="warn")
+    retries: int = setting(-1, "remote: the most retries of a request within `retry_for_s` (-1: no such limit)",
+                           on_resume="warn")
     token_env: str = setting(
         REWARD_TOKEN_ENV, "remote: the environment variable (`HPCNFT_...`) holding the server's shared secret; "
-        "\"\": send none")
+        "\"\": send none", on_resume="warn")
 
 
 @dataclass

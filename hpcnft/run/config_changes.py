@@ -9,21 +9,14 @@ import typing
 from dataclasses import dataclass
 
 from hpcnft.algo.root_config import Config
-from hpcnft.common.config import _type_of
+from hpcnft.common.config import _type_of, keys_on_resume
 from hpcnft.common.validation import flatten
 
-# Keys whose change between a checkpoint and a resume is allowed (run length, where to write).
-RESUME_MUTABLE_KEYS = {"steps", "run_dir", "umask", "layout.timeout_s", "checkpoint.every", "checkpoint.keep",
-                       "checkpoint.at_end", "logging.sample_grid_every", "logging.sample_grid_images",
-                       "logging.trackers",
-                       "models.tiny_cache", "preempt.signal", "preempt.handle_sigterm", "preempt.requeue",
-                       "layout.emulate_hosts", "layout.stagger_loads", "perf.replicate_frozen_base",
-                       "perf.overlap_reward"}
-# Keys of each reward term ([] for any index) that say where, how patiently and with which secret
-# a remote term asks, not what is scored: they may change on resume too, with a warning (a judge
-# moved to another port, a longer timeout, a token in another variable).
-RESUME_WARNED_KEYS = {"reward.terms[].url", "reward.terms[].timeout_s", "reward.terms[].retries",
-                      "reward.terms[].retry_for_s", "reward.terms[].token_env"}
+# The keys a resume may change (run length, where to write, how to wait, how the job is laid out),
+# and those it may change with a warning (where, how patiently and with which secret a remote
+# term asks, not what it scores): each declared beside the key (`setting(..., on_resume=...)`).
+RESUME_MUTABLE_KEYS = keys_on_resume(Config, "free")
+RESUME_WARNED_KEYS = keys_on_resume(Config, "warn")
 CHANGES_LISTED = 5  # a refusal or warning names at most this many keys, and counts the rest
 CHANGE_TEXT_CHARS = 40  # of each key and value in it
 

@@ -335,3 +335,28 @@ def test_loading_a_config_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.stdout.strip() == "False"
+
+
+def test_what_a_resume_may_change_is_declared_beside_each_key():
+    """on_resume in setting(): the keys a resume may change, silently or with a warning, are the
+    ones declared so; every other key is refused; a bad declaration fails at once."""
+    from dataclasses import dataclass
+
+    from hpcnft.algo.root_config import Config
+    from hpcnft.common.config import documented_keys, keys_on_resume, setting
+    from hpcnft.run.config_changes import RESUME_MUTABLE_KEYS, RESUME_WARNED_KEYS
+
+    assert RESUME_MUTABLE_KEYS == keys_on_resume(Config, "free") and RESUME_WARNED_KEYS == keys_on_resume(Config, "warn")
+    assert {"steps", "checkpoint.every", "layout.timeout_s", "perf.overlap_reward"} <= RESUME_MUTABLE_KEYS
+    assert {"reward.terms[].url", "reward.terms[].token_env"} <= RESUME_WARNED_KEYS
+    every = {key for key, _, _ in documented_keys(Config)}
+    assert keys_on_resume(Config, "fixed") == every - RESUME_MUTABLE_KEYS - RESUME_WARNED_KEYS
+    assert "nft.beta" in keys_on_resume(Config, "fixed") and "rollout.seed" in keys_on_resume(Config, "fixed")
+
+    @dataclass
+    class Probe:
+        a: int = setting(1, "a", on_resume="free")
+        b: int = setting(2, "b")
+    assert keys_on_resume(Probe, "free") == {"a"} and keys_on_resume(Probe, "fixed") == {"b"}
+    with pytest.raises(ValueError, match="on_resume 'sometimes'"):
+        setting(3, "c", on_resume="sometimes")
