@@ -384,10 +384,10 @@ def judge(what: str, rc, out: str, err: str, tb, allowed=(0, 2)) -> str | None:
 
 def resume_path(case_dir: str, config: dict) -> list[str]:
     """The resume path's view of a run dir holding the damaged run.h5."""
+    from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
     from hpcnft.algo.root_config import config_from_dict
     from hpcnft.common.errors import UsageError
     from hpcnft.io import runfile
-    from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
     from hpcnft.io.run_writer import RunFileWriter
     from hpcnft.run.rundir import check_existing_run
 
@@ -556,11 +556,12 @@ def tiny_policy(seed: int = 0, width: int = 32, eval_ema: bool = False):
 
 
 def make_checkpoint(run_dir: str, step: int, seed: int = 0, width: int = 32, keep: int = 2) -> str:
+    from hpcnft.algo.checkpoint_parts import checkpoint_parts
     from hpcnft.common import determinism
     from hpcnft.io import checkpoint
 
     policy, opt = tiny_policy(seed, width)
-    checkpoint.save(run_dir, step, policy, opt, None, True, 0, determinism.capture_rng_state())
+    checkpoint.save(run_dir, step, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
     return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), '{"steps": 3}', keep)
 
 

@@ -28,10 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from hpcnft.common import determinism
 from hpcnft.common.errors import first_line, one_line
@@ -201,38 +198,9 @@ class TrainState:
     scaler: dict
 
 
-def _shadow_state(policy, shadow: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A shadow of the trained parameters (the old policy, the evaluation EMA) as DTensors laid
-    out like the live parameters."""
-    out = {}
-    for name, p, s in zip(policy.trainable_names, policy.trainable, shadow):
-        out[name] = (DTensor.from_local(s, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                     if isinstance(p, DTensor) else s)
-    return out
-
-
-def _trained_state(model) -> dict:
-    """The model's trained weights: its state dict without the frozen weights and without its
-    buffers, which the model folder and config give (SD3.5-M's position table alone is 0.9 GB)."""
-    state = get_model_state_dict(model, options=MODEL_OPTIONS)
-    buffers = {name.replace("_orig_mod.", "") for name, _ in model.named_buffers()}
-    return {k: v for k, v in state.items() if k.replace("_orig_mod.", "") not in buffers}
-
-
-def _state(policy, optimizer) -> dict:
-    model = policy.transformer
-    state = {"model": _trained_state(model),
-             "old_policy": _shadow_state(policy, policy.shadow),
-             "optim": get_optimizer_state_dict(model, optimizer, options=MODEL_OPTIONS)}
-    if policy.eval_shadow is not None:  # eval.policy="ema" (a config key a resume cannot change)
-        state["eval_ema"] = _shadow_state(policy, policy.eval_shadow)
-    return state
-
-
-def save(run_dir: str, step: int, policy, optimizer, train_group, is_writer: bool, rank: int,
-         rng_blob: bytes) -> str:
-    """Collective over the train ranks. The caller has the reward ranks write their RNG files
-    into partial_dir() before the commit."""
+def save(run_dir: str, step: int, parts: dict, train_group, is_writer: bool, rank: int, rng_blob: bytes) -> str:
+    """Collective over the train ranks: the Stateful `parts` (name -> part) as DCP shards. The
+    caller has the reward ranks write their RNG files into partial_dir() before the commit."""
     tmp = partial_dir(run_dir, step)
     try:
         if is_writer:
@@ -242,7 +210,7 @@ def save(run_dir: str, step: int, policy, optimizer, train_group, is_writer: boo
         dist.barrier(group=train_group) if train_group is not None else None
         with open(rng_path(tmp, rank), "wb") as f:
             f.write(rng_blob)
-        dcp.save(_state(policy, optimizer), checkpoint_id=tmp, process_group=train_group)
+        dcp.save(dict(parts), checkpoint_id=tmp, process_group=train_group)
     except (OSError, dcp.CheckpointException) as e:  # a full disk, a read-only file system
         reason = _space_note(run_dir) + _reason(e)  # every rank's line says it: any may be the one printed
         if is_writer:
@@ -307,25 +275,15 @@ def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, k
     return final
 
 
-def load(path: str, policy, optimizer, train_group) -> TrainState:
-    """Collective over the train ranks: load params, shadow and optimizer in place."""
-    model = policy.transformer
-    state = _state(policy, optimizer)
+def load(path: str, parts: dict, train_group) -> TrainState:
+    """Collective over the train ranks: the Stateful `parts` loaded in place (each lays out what
+    it reads, then takes it: resharded where the number of train ranks changed)."""
     try:
-        dcp.load(state, storage_reader=SafeReader(path), process_group=train_group)
+        dcp.load(dict(parts), storage_reader=SafeReader(path), process_group=train_group)
     except (OSError, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot load the checkpoint ({_reason(e)})") from None
-    result = set_model_state_dict(model, state["model"], options=LOAD_OPTIONS)
-    trained = set(policy.trainable_names)
-    missing = [k for k in result.missing_keys if k in trained]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"{path}: does not match the model (missing {missing[:3]}, "
-                              f"unexpected {list(result.unexpected_keys)[:3]})")
-    set_optimizer_state_dict(model, optimizer, state["optim"], options=MODEL_OPTIONS)
-    with torch.no_grad():
-        for shadow, key in ((policy.shadow, "old_policy"), (policy.eval_shadow, "eval_ema")):
-            for s, loaded in zip(shadow or [], state.get(key, {}).values()):
-                s.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+    except CheckpointError as e:  # a part that does not match what it is loaded into
+        raise CheckpointError(f"{path}: {e}") from None
     ts = read_json(path, "trainer_state.json")
     return TrainState(int(ts["step"]), dict(ts["scaler"]))
 

@@ -1,9 +1,11 @@
-"""The train ranks' checkpoint state in one place: a Checkpointer holds the named parts a
-checkpoint is made of and saves or loads them all, in one fixed order.
+"""The train ranks' checkpoints in one place: a Checkpointer owns the schedule (when a step is
+checkpointed; how many are kept, pruned at each commit) and saves or loads the parts a
+checkpoint is made of, in one fixed order. It is handed the trained state as Stateful parts by
+name (hpcnft.algo.checkpoint_parts: each says what it holds) and reaches into none of them.
 
     part        where it goes (io.checkpoint's layout)        who writes it
-    policy      DCP shards: trained params, old policy, EMA    every train rank (collective)
-    optimizer   DCP shards                                     every train rank (collective)
+    parts       DCP shards: trained weights, pi_old, the       every train rank (collective)
+                evaluation EMA, the optimizer
     scaler      trainer_state.json                             rank 0's commit
     rng         rng/rank_<r>.bin: this rank's global RNGs      every train rank, its own
     peers       rng/rank_<r>.bin of the reward ranks           peers(step): each reward rank its own
@@ -52,20 +54,37 @@ def snapshot_rank_rng(run_dir: str, step: int, rank: int) -> None:
     checkpoint.write_rng(run_dir, step, rank, determinism.capture_rng_state())
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When a step is checkpointed ([checkpoint]): every `every` steps (0: never on a count), at
+    the run's last step when `at_end`; `keep` committed checkpoints are kept, older ones pruned."""
+    every: int
+    at_end: bool
+    keep: int
+
+    def due(self, step: int, last_step: int) -> bool:
+        return bool((self.every and step % self.every == 0) or (step == last_step and self.at_end))
+
+
 class Checkpointer:
     """A train rank's checkpoints. `group`: the train ranks' process group (None in a single
     process); `world_size`: every rank of the job, reward ranks included (their RNG files go into
-    run.h5's rows); `peers(step)`: has the reward ranks write their RNG files into the partial
-    checkpoint; `scaler`: anything with state_dict/load_state_dict. Rank 0 sets `run_file` (its
-    RunFileWriter) once run.h5 is open; `last` is the newest checkpoint loaded or committed here."""
+    run.h5's rows); `parts`: the Stateful parts by checkpoint name; `peers(step)`: has the reward
+    ranks write their RNG files into the partial checkpoint; `scaler`: anything with
+    state_dict/load_state_dict (JSON-able). Rank 0 sets `run_file` (its RunFileWriter) once run.h5
+    is open; `last` is the newest checkpoint loaded or committed here."""
 
-    def __init__(self, run_dir: str, group, rank: int, world_size: int, config_json: str, keep: int, *,
-                 policy, optimizer, scaler=None, peers: Callable[[int], None] | None = None):
+    def __init__(self, run_dir: str, group, rank: int, world_size: int, config_json: str, schedule: Schedule, *,
+                 parts: dict, scaler=None, peers: Callable[[int], None] | None = None):
         self.run_dir, self.group, self.rank, self.world_size = run_dir, group, rank, world_size
-        self.config_json, self.keep = config_json, keep
-        self.policy, self.optimizer, self.scaler, self.peers = policy, optimizer, scaler, peers
+        self.config_json, self.schedule = config_json, schedule
+        self.parts, self.scaler, self.peers = parts, scaler, peers
         self.run_file = None
         self.last = ""
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether step `step` of a run to `last_step` is checkpointed on schedule."""
+        return self.schedule.due(step, last_step)
 
     def _barrier(self) -> None:
         if self.group is not None:
@@ -80,8 +99,8 @@ class Checkpointer:
         is_writer = self.rank == 0
         final = ""
         try:
-            tmp = checkpoint.save(self.run_dir, step, self.policy, self.optimizer, self.group, is_writer,
-                                  self.rank, rng_state if rng_state is not None else determinism.capture_rng_state())
+            tmp = checkpoint.save(self.run_dir, step, self.parts, self.group, is_writer, self.rank,
+                                  rng_state if rng_state is not None else determinism.capture_rng_state())
             if self.peers is not None:
                 self.peers(step)  # the reward ranks' RNG states, into the same checkpoint
             self._barrier()
@@ -104,7 +123,7 @@ class Checkpointer:
         state = checkpoint.TrainState(step, self.scaler.state_dict() if self.scaler is not None else {})
         final_name = checkpoint.step_dir(self.run_dir, step)
         copy = None if w is None else (lambda path: w.snapshot(path, (step, "checkpoint", final_name)))
-        final = checkpoint.commit(self.run_dir, step, state, self.config_json, self.keep, copy)
+        final = checkpoint.commit(self.run_dir, step, state, self.config_json, self.schedule.keep, copy)
         if w is not None:
             w.event(step, "checkpoint", final)
         return final
@@ -118,7 +137,7 @@ class Checkpointer:
         if plan.checkpoint is None:
             return Resumed(rebuilt=self._set_aside(plan) if self.rank == 0 and plan.aside_tag else "")
         step, path = plan.checkpoint
-        state = checkpoint.load(path, self.policy, self.optimizer, self.group)
+        state = checkpoint.load(path, self.parts, self.group)
         if self.scaler is not None:
             self.scaler.load_state_dict(state.scaler)
         restore_rank_rng(path, self.rank)

@@ -10,17 +10,18 @@ import torch
 import torch.distributed as dist
 
 from hpcnft import __version__
+from hpcnft.algo.checkpoint_parts import checkpoint_parts
+from hpcnft.algo.prompts import pass_last_step, pass_of
 from hpcnft.algo.reward import term_columns
+from hpcnft.algo.root_config import Config
 from hpcnft.common import collector, determinism
 from hpcnft.common.disk import folder_bytes
-from hpcnft.algo.root_config import Config
 from hpcnft.common.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag, leave_requeue_to_slurm, requeue
 from hpcnft.distributed.reward_service import RewardOutage, RewardServiceError
-from hpcnft.io.checkpointer import Checkpointer
+from hpcnft.io.checkpointer import Checkpointer, Schedule
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.rewards.registry import training_terms
-from hpcnft.algo.prompts import pass_last_step, pass_of
 from hpcnft.run.output import (claim_first_failure, eval_line, fail_line, log, pass_line, print_err, progress_line,
                                reward_header, save_grid)
 from hpcnft.run.resume import ResumePlan
@@ -41,8 +42,10 @@ class TrainJob:
         self.say(f"models loaded in {time.perf_counter() - t0:.1f} s")
         if tr.policy.base_storage:
             self.say(tr.policy.base_storage)
+        c = cfg.checkpoint
         self.checkpointer = Checkpointer(cfg.run_dir, group, topo.rank, topo.world_size, cfg.to_json(),
-                                         cfg.checkpoint.keep, policy=tr.policy, optimizer=tr.trainer.optimizer,
+                                         Schedule(c.every, c.at_end, c.keep),
+                                         parts=checkpoint_parts(tr.policy, tr.trainer.optimizer),
                                          scaler=tr.trainer.scaler, peers=tr.client.snapshot)
         self.writer = None
         self.warnings: list[str] = []
@@ -272,11 +275,6 @@ class TrainJob:
             lines.append(pass_line(p, first, step, sum(rewards) / len(rewards), self.latest_eval))
         return lines
 
-    def checkpoint_due(self, step: int) -> bool:
-        cfg = self.cfg
-        return bool((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or
-                    (step == cfg.steps and cfg.checkpoint.at_end))
-
     def run(self) -> int:
         cfg, tr = self.cfg, self.tr
         start_step = self.start()
@@ -299,7 +297,7 @@ class TrainJob:
             if lost is not None:
                 return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")
             stop = self.stop_requested()
-            if self.checkpoint_due(step) or stop:
+            if self.checkpointer.due(step, cfg.steps) or stop:
                 t_save = time.perf_counter()
                 saved = self.checkpointer.save(step)
                 if saved:  # rank 0: what a checkpoint of this run costs, for the log

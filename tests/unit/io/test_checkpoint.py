@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hardening_tools import make_checkpoint, payload_bytes, small_tmpfs, tiny_policy
+from hpcnft.algo.checkpoint_parts import checkpoint_parts
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint
 
@@ -44,7 +45,7 @@ def ckpt(tmp_path):
 def test_a_clean_checkpoint_passes_and_loads(ckpt):
     assert checkpoint.problems(ckpt) is None
     policy, opt = tiny_policy(seed=1)
-    assert checkpoint.load(ckpt, policy, opt, None).step == 1
+    assert checkpoint.load(ckpt, checkpoint_parts(policy, opt), None).step == 1
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)  # non-tensor items come back (weights-only)
 
 
@@ -53,12 +54,12 @@ def test_the_evaluation_ema_is_saved_and_loaded(tmp_path):
     os.makedirs(os.path.join(run_dir, "checkpoints"))
     policy, opt = tiny_policy(seed=4, eval_ema=True)
     saved = [e.clone() for e in policy.eval_shadow]
-    checkpoint.save(run_dir, 1, policy, opt, None, True, 0, determinism.capture_rng_state())
+    checkpoint.save(run_dir, 1, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
     path = checkpoint.commit(run_dir, 1, checkpoint.TrainState(1, {}), "{}", 2)
     fresh, fresh_opt = tiny_policy(seed=4, eval_ema=True)
     for e in fresh.eval_shadow:
         e.zero_()
-    checkpoint.load(path, fresh, fresh_opt, None)
+    checkpoint.load(path, checkpoint_parts(fresh, fresh_opt), None)
     assert all(torch.equal(a, b) for a, b in zip(fresh.eval_shadow, saved))
     assert not all(torch.equal(a, b) for a, b in zip(fresh.eval_shadow, fresh.shadow))  # its own tensors
 
@@ -72,11 +73,11 @@ def test_stock_dcp_runs_a_payload_planted_in_a_shard_item_but_hpcnft_never_does(
     assert why and "is not weights-only data" in why and not marker.exists()
     policy, opt = tiny_policy(seed=1)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.load(ckpt, policy, opt, None)
+        checkpoint.load(ckpt, checkpoint_parts(policy, opt), None)
     assert len(str(e.value).splitlines()) == 1 and ckpt in str(e.value)
     assert not marker.exists()
     # control: the stock reader executes it
-    state = checkpoint._state(policy, opt)
+    state = checkpoint_parts(policy, opt)
     with pytest.raises(BaseException):
         dcp.load(state, checkpoint_id=ckpt)
     assert marker.exists()
@@ -89,7 +90,7 @@ def test_a_shard_replaced_by_a_pickle_is_refused(ckpt, tmp_path):
     assert "shorter than its metadata says" in checkpoint.problems(ckpt)
     policy, opt = tiny_policy(seed=1)
     with pytest.raises(checkpoint.CheckpointError):
-        checkpoint.load(ckpt, policy, opt, None)
+        checkpoint.load(ckpt, checkpoint_parts(policy, opt), None)
     assert not marker.exists()
 
 
@@ -156,7 +157,7 @@ def test_a_failed_shard_write_removes_the_partial_and_names_it(tmp_path, monkeyp
     monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full)
     policy, opt = tiny_policy(seed=2)
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.save(run_dir, 2, policy, opt, None, True, 0, determinism.capture_rng_state())
+        checkpoint.save(run_dir, 2, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
     assert str(e.value).startswith(checkpoint.partial_dir(run_dir, 2) + ": cannot write the checkpoint")
     assert "No space left on device" in str(e.value) and len(str(e.value).splitlines()) == 1
     assert not os.path.exists(checkpoint.partial_dir(run_dir, 2))
@@ -167,7 +168,7 @@ def test_a_failed_commit_removes_the_partial_and_names_it(tmp_path, monkeypatch)
     run_dir = str(tmp_path / "run")
     good = make_checkpoint(run_dir, 1)
     policy, opt = tiny_policy(seed=2)
-    checkpoint.save(run_dir, 2, policy, opt, None, True, 0, determinism.capture_rng_state())
+    checkpoint.save(run_dir, 2, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
 
     def full(_fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -179,7 +180,7 @@ def test_a_failed_commit_removes_the_partial_and_names_it(tmp_path, monkeypatch)
     assert not os.path.exists(checkpoint.partial_dir(run_dir, 2))
     assert checkpoint.list_checkpoints(run_dir) == [(1, good)] and checkpoint.problems(good) is None
     policy, opt = tiny_policy(seed=3)
-    assert checkpoint.load(good, policy, opt, None).step == 1
+    assert checkpoint.load(good, checkpoint_parts(policy, opt), None).step == 1
 
 
 def test_a_full_tmpfs_fails_a_checkpoint_cleanly(tmp_path):
@@ -195,4 +196,4 @@ def test_a_full_tmpfs_fails_a_checkpoint_cleanly(tmp_path):
         assert not os.path.exists(checkpoint.partial_dir(run_dir, 2))
         assert checkpoint.latest_usable(run_dir, print) == (1, good)
         policy, opt = tiny_policy(seed=5, width=256)
-        assert checkpoint.load(good, policy, opt, None).step == 1
+        assert checkpoint.load(good, checkpoint_parts(policy, opt), None).step == 1

@@ -16,7 +16,8 @@ from hardening_tools import tiny_policy
 from hpcnft.algo.train_base import LossScaler
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint, run_state, runfile
-from hpcnft.io.checkpointer import Checkpointer, Resumed, restore_rank_rng, snapshot_rank_rng
+from hpcnft.algo.checkpoint_parts import checkpoint_parts
+from hpcnft.io.checkpointer import Checkpointer, Resumed, Schedule, restore_rank_rng, snapshot_rank_rng
 from hpcnft.io.run_writer import RunFileWriter
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]  # DCP in one process
@@ -37,8 +38,8 @@ def _checkpointer(run_dir: str, seed: int = 0, rank: int = 0, peers=None) -> Che
     policy, opt = tiny_policy(seed=seed)
     scaler = LossScaler(2.0 ** (seed + 4), enabled=True)
     scaler.update(found_inf=False)
-    return Checkpointer(run_dir, None, rank, WORLD, CONFIG, 2, policy=policy, optimizer=opt, scaler=scaler,
-                        peers=peers)
+    return Checkpointer(run_dir, None, rank, WORLD, CONFIG, Schedule(1, True, 2), parts=checkpoint_parts(policy, opt),
+                        scaler=scaler, peers=peers)
 
 
 def _run_file(run_dir: str, steps: int) -> RunFileWriter:
@@ -83,14 +84,14 @@ def test_save_then_load_restores_every_part_bit_for_bit(tmp_path):
     assert (copy_events[-1]["step"], copy_events[-1]["kind"], copy_events[-1]["text"]) == events[-1]
 
     loader = _checkpointer(run_dir, seed=1)
-    assert not _same_tensors(loader.policy.trainable, saver.policy.trainable)
+    assert not _same_tensors(loader.parts["model"].policy.trainable, saver.parts["model"].policy.trainable)
     torch.manual_seed(99)
     said = []
     assert loader.load(_plan(1, final), lambda step, path: said.append((step, path))) == Resumed(1, final, "")
     assert said == [(1, final)] and loader.last == final
-    assert _same_tensors(loader.policy.trainable, saver.policy.trainable)
-    assert _same_tensors(loader.policy.shadow, saver.policy.shadow)
-    a, b = loader.optimizer.state_dict()["state"], saver.optimizer.state_dict()["state"]
+    assert _same_tensors(loader.parts["model"].policy.trainable, saver.parts["model"].policy.trainable)
+    assert _same_tensors(loader.parts["model"].policy.shadow, saver.parts["model"].policy.shadow)
+    a, b = loader.parts["optim"].optimizer.state_dict()["state"], saver.parts["optim"].optimizer.state_dict()["state"]
     assert a.keys() == b.keys() and all(torch.equal(a[k][n], b[k][n]) for k in a for n in a[k])
     assert loader.scaler.state_dict() == saver.scaler.state_dict() == {"scale": 16.0, "growth_tracker": 1}
     got = _draws()
@@ -100,10 +101,10 @@ def test_save_then_load_restores_every_part_bit_for_bit(tmp_path):
 
 def test_a_fresh_plan_loads_nothing():
     c = _checkpointer("/nonexistent", seed=0)
-    params = [p.detach().clone() for p in c.policy.trainable]
+    params = [p.detach().clone() for p in c.parts["model"].policy.trainable]
     said = []
     assert c.load(types.SimpleNamespace(checkpoint=None, rebuild_why="", aside_tag=""), said.append) == Resumed()
-    assert said == [] and c.last == "" and _same_tensors(params, c.policy.trainable)
+    assert said == [] and c.last == "" and _same_tensors(params, c.parts["model"].policy.trainable)
 
 
 def test_a_failed_save_leaves_no_partial_and_the_last_good_checkpoint(tmp_path):
@@ -156,7 +157,7 @@ def test_a_damaged_run_file_is_rebuilt_on_rank_0_once_the_state_is_loaded(tmp_pa
     loader = _checkpointer(run_dir, seed=1, rank=rank)
     resumed = loader.load(_plan(1, final, "is damaged (truncated)", "damaged"), loaded)
     assert (resumed.step, resumed.path) == (1, final)
-    assert _same_tensors(loader.policy.trainable, saver.policy.trainable)
+    assert _same_tensors(loader.parts["model"].policy.trainable, saver.parts["model"].policy.trainable)
     if rank:  # only rank 0 owns run.h5
         assert resumed.rebuilt == "" and open(run_h5, "rb").read() == damaged
         return
@@ -213,3 +214,13 @@ def test_with_the_rng_it_ended_with_a_step_abandoned_after_it_is_not_in_the_chec
     ckpt.save(2, ended)
     restore_rank_rng(checkpoint.step_dir(run_dir, 2), 0)
     assert _draws() == expected
+
+
+def test_the_checkpointer_owns_its_schedule():
+    """[checkpoint]'s every and at_end decide which steps are saved (keep: how many stay)."""
+    on_count = Schedule(every=3, at_end=True, keep=2)
+    assert [s for s in range(1, 11) if on_count.due(s, 10)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if Schedule(0, True, 2).due(s, 10)] == [10]
+    assert [s for s in range(1, 11) if Schedule(4, False, 2).due(s, 10)] == [4, 8]
+    c = Checkpointer("unused", None, 0, 1, CONFIG, on_count, parts={})
+    assert c.due(6, 10) and not c.due(7, 10)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hardening_tools import make_checkpoint, writer_made_run
+from hpcnft.algo.checkpoint_parts import checkpoint_parts
 from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.common import determinism
 from hpcnft.io import checkpoint, run_state, runfile
@@ -162,13 +163,13 @@ def test_commit_puts_the_copy_in_the_checkpoint_and_a_failed_copy_fails_the_chec
     w = RunFileWriter(run_h5, "{}", "test", NFT_KEYS)
     try:
         policy, opt = tiny_policy()
-        checkpoint.save(run_dir, STEPS, policy, opt, None, True, 0, determinism.capture_rng_state())
+        checkpoint.save(run_dir, STEPS, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
         final = checkpoint.commit(run_dir, STEPS, checkpoint.TrainState(STEPS, {}), "{}", 2, w.snapshot)
         assert checkpoint.problems(final) is None and run_state.problems(final, STEPS) is None
 
         def full_disk(path):
             raise runfile.RunFileError(f"{path}: cannot write the run file (only 12 KiB free on its file system)")
-        checkpoint.save(run_dir, STEPS + 1, policy, opt, None, True, 0, determinism.capture_rng_state())
+        checkpoint.save(run_dir, STEPS + 1, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
         with pytest.raises(checkpoint.CheckpointError, match="only 12 KiB free") as e:
             checkpoint.commit(run_dir, STEPS + 1, checkpoint.TrainState(STEPS + 1, {}), "{}", 2, full_disk)
         assert str(e.value).startswith(checkpoint.partial_dir(run_dir, STEPS + 1))

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from hardening_tools import tiny_policy
+from hpcnft.algo.checkpoint_parts import checkpoint_parts
 from hpcnft.algo.nft.spec import TRAIN_KEYS as NFT_KEYS
 from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.common import determinism
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _checkpoint_of(cfg, run_dir: str, step: int) -> str:
     policy, opt = tiny_policy()
-    checkpoint.save(run_dir, step, policy, opt, None, True, 0, determinism.capture_rng_state())
+    checkpoint.save(run_dir, step, checkpoint_parts(policy, opt), None, True, 0, determinism.capture_rng_state())
     return checkpoint.commit(run_dir, step, checkpoint.TrainState(step, {}), cfg.to_json(), keep=3)
 
 

@@ -100,7 +100,7 @@ def test_without_any_copy_a_lost_run_file_is_refused_in_one_line(run):
 def test_a_damaged_run_file_without_checkpoints_is_set_aside_and_the_run_starts_over(tmp_path):
     # a write that failed halfway (a quota, say) before the first checkpoint: nothing to rebuild
     # run.h5 from, and nothing lost by starting over; the damaged file is kept beside it
-    from hpcnft.io.checkpointer import Checkpointer
+    from hpcnft.io.checkpointer import Checkpointer, Schedule
     from hpcnft.io.runfile import read_run
 
     cfg = load_config("tiny", steps=4)
@@ -113,7 +113,7 @@ def test_a_damaged_run_file_without_checkpoints_is_set_aside_and_the_run_starts_
     plan = plan_resume(cfg, cfg.run_dir, lambda _t: None)
     assert plan.checkpoint is None and plan.rebuild_why.startswith("is damaged (") and plan.aside_tag == "damaged"
     check_existing_run(cfg)  # the spawner lets rank 0 set it aside
-    resumed = Checkpointer(cfg.run_dir, None, 0, 3, "{}", 2, policy=None, optimizer=None).load(plan)
+    resumed = Checkpointer(cfg.run_dir, None, 0, 3, "{}", Schedule(1, True, 2), parts={}).load(plan)
     aside = [name for name in os.listdir(cfg.run_dir) if name.startswith("run.h5.damaged-")]
     assert resumed.step == 0 and len(aside) == 1 and not os.path.exists(path)
     assert resumed.rebuilt == (f"{path} {plan.rebuild_why}: kept as {os.path.join(cfg.run_dir, aside[0])}; no "
