@@ -11,6 +11,7 @@ from hpcnft.algo.spec import AlgorithmSpec
 ALGORITHMS = {
     "nft": "hpcnft.algo.nft.spec",
     "flow_grpo": "hpcnft.algo.flow_grpo.spec",
+    "mixgrpo": "hpcnft.algo.mixgrpo.spec",
 }
 
 

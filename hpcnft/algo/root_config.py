@@ -74,7 +74,7 @@ class Config:
     def trained_steps(self) -> int:
         """K, the sampler steps each sample is trained at: the algorithm's timestep_fraction of them
         (int(T fraction), as train_sd3.py's train_timesteps and DiffusionNFT's). The one count of it."""
-        return int(self.rollout.num_steps * spec_of(self.algo.name).timestep_fraction(self))
+        return spec_of(self.algo.name).trained_steps(self)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

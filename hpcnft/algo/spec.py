@@ -35,6 +35,11 @@ class AlgorithmSpec:
         """The fraction of the sampler's steps each sample is trained at."""
         return self.section_of(cfg).timestep_fraction
 
+    def trained_steps(self, cfg) -> int:
+        """K, the sampler steps each sample is trained at (at most: an algorithm may train fewer
+        at some steps)."""
+        return int(cfg.rollout.num_steps * self.timestep_fraction(cfg))
+
     def rank_sample_parts(self, cfg) -> int:
         """The equal parts each train rank's samples of a step split into (optimizer updates per
         rollout, every train rank taking part in each with as many samples)."""

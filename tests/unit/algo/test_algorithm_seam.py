@@ -38,7 +38,7 @@ def test_no_module_outside_the_folder_and_the_registry_names_the_algorithm(spec)
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_every_algorithm_has_what_the_protocol_names(name):
-    recipe = {"nft": "tiny", "flow_grpo": "tiny_learns_grpo"}.get(name, "tiny")
+    recipe = {"nft": "tiny", "flow_grpo": "tiny_learns_grpo", "mixgrpo": "tiny_learns_mixgrpo"}[name]
     algorithm = algorithm_for(load_config(recipe, [f"algo.name={name}"] if recipe == "tiny" else []))
     wanted = {n for n, _ in inspect.getmembers(Algorithm, inspect.isfunction)} - set(dir(object))
     assert wanted <= set(dir(algorithm)) and algorithm.spec is spec_of(name)

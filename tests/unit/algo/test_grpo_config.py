@@ -18,7 +18,7 @@ from hpcnft.distributed.config import check_layout
 
 def test_every_algorithm_name_has_its_spec_section_and_implementation():
     choices = next(f for f in dataclasses.fields(AlgoConfig) if f.name == "name").metadata["choices"]
-    assert tuple(ALGORITHMS) == tuple(choices) == ("nft", "flow_grpo")
+    assert tuple(ALGORITHMS) == tuple(choices) == ("nft", "flow_grpo", "mixgrpo")
     for name in ALGORITHMS:
         spec = spec_of(name)
         assert spec.name == name and isinstance(getattr(load_config("tiny"), spec.section), spec.config)
