@@ -39,6 +39,20 @@ class SDEBatch:
     first: int = 0  # the sigma grid's index of states[:, 0]: the first trained transition
 
 
+def synthetic_batch(n: int, k: int, cond: Conditioning, latent_shape, device) -> SDEBatch:
+    """A seeded batch of n samples with k recorded transitions each, on `device` (what `hpcnft
+    bench` times the train step on): random states, log-probabilities near the rollout's,
+    advantages, CFG's empty prompt where `cond` has one."""
+    g = torch.Generator().manual_seed(7)
+    states = torch.randn(n, k + 1, *latent_shape, generator=g).to(device)
+    old = (torch.randn(n, k, generator=g) * 1e-3 - 1.0).to(device)
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    neg = None if cond.neg_prompt_embeds is None else (cond.neg_prompt_embeds[:1].to(device),
+                                                       cond.neg_pooled[:1].to(device))
+    return SDEBatch(states, old, cond.prompt_embeds.to(device), cond.pooled.to(device),
+                    neg[0] if neg else None, neg[1] if neg else None, adv, list(range(n)), n)
+
+
 @dataclass
 class TransitionBatch:
     """One micro-batch's (sample, transition) pairs, on the train device."""

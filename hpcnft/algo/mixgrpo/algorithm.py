@@ -14,7 +14,7 @@ from hpcnft.algo.mixgrpo.spec import SPEC
 from hpcnft.algo.mixgrpo.trainer import MixGRPOTrainer
 from hpcnft.algo.protocol import RolloutModels, Sampled
 from hpcnft.algo.sampler import NoiseAhead
-from hpcnft.algo.transition_trainer import SDEBatch
+from hpcnft.algo.transition_trainer import SDEBatch, synthetic_batch
 
 
 class MixGRPO:
@@ -77,11 +77,4 @@ class MixGRPO:
         return 0.0
 
     def synthetic_batch(self, n: int, k: int, cond, latent_shape, device) -> SDEBatch:
-        g = torch.Generator().manual_seed(7)
-        states = torch.randn(n, k + 1, *latent_shape, generator=g).to(device)
-        old = (torch.randn(n, k, generator=g) * 1e-3 - 1.0).to(device)  # log-probabilities near the rollout's
-        adv = torch.randn(n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
-        neg = None if cond.neg_prompt_embeds is None else (cond.neg_prompt_embeds[:1].to(device),
-                                                           cond.neg_pooled[:1].to(device))
-        return SDEBatch(states, old, cond.prompt_embeds.to(device), cond.pooled.to(device),
-                        neg[0] if neg else None, neg[1] if neg else None, adv, list(range(n)), n)
+        return synthetic_batch(n, k, cond, latent_shape, device)
