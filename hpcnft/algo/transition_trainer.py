@@ -36,7 +36,7 @@ class SDEBatch:
     # drop_zero_advantage: each update's samples of advantage not 0, over all train ranks
     # (None: every sample counts)
     kept_per_update: list[int] | None = None
-    first: int = 0  # the sigma grid's index of states[:, 0]: the first trained transition
+    first: int = 0  # the sigma grid's index of states[:, 0]: the first trained transition (where K > 0)
 
 
 def synthetic_batch(n: int, k: int, cond: Conditioning, latent_shape, device) -> SDEBatch:

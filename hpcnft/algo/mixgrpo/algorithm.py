@@ -26,6 +26,7 @@ class MixGRPO:
         self.models: RolloutModels | None = None
         self.noise_ahead = NoiseAhead()
         self._window: list[int] = []
+        self._start = 0
         self._sde_noise: list = []  # the window's noise of the rollout's chunks still to sample (futures)
 
     def window(self, step: int) -> list[int]:
@@ -48,7 +49,10 @@ class MixGRPO:
     def begin_rollout(self, step: int, parts: list[list[int]]) -> None:
         """The step's window, and every chunk's window noise, drawn on the host by a worker thread
         while the GPU samples."""
+        m = self.cfg.mixgrpo
         self._window = self.window(step)
+        self._start = mix.window_start(step, self.cfg.rollout.num_steps, m.window_every, m.window_stride,
+                                       m.window_roll_back)  # where the window is, even where it holds no step
         shape = (len(self._window), *self.models.latent_shape)
         self._sde_noise = self.noise_ahead.draw(shape, self.cfg.rollout.seed, step, parts, SDE_NOISE,
                                                 pin=self.models.device.type == "cuda")
@@ -71,7 +75,7 @@ class MixGRPO:
         return SDEBatch(torch.cat([k[0] for k in rollout.kept]), torch.cat([k[1] for k in rollout.kept]),
                         rollout.prompt_embeds, rollout.pooled, neg[0] if neg else None, neg[1] if neg else None,
                         adv[mine.start:mine.stop], list(mine), self.cfg.samples_per_step,
-                        first=self._window[0] if self._window else 0)
+                        first=self._start)
 
     def old_policy_decay(self, step: int) -> float:
         return 0.0

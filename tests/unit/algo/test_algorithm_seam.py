@@ -11,6 +11,7 @@ import pytest
 from hpcnft.algo.protocol import Algorithm
 from hpcnft.algo.registry import ALGORITHMS, algorithm_for, spec_of, specs
 from hpcnft.algo.root_config import load_config
+from hpcnft.common.recipe_files import recipe_names
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
                        "hpcnft")
@@ -38,8 +39,9 @@ def test_no_module_outside_the_folder_and_the_registry_names_the_algorithm(spec)
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_every_algorithm_has_what_the_protocol_names(name):
-    recipe = {"nft": "tiny", "flow_grpo": "tiny_learns_grpo", "mixgrpo": "tiny_learns_mixgrpo"}[name]
-    algorithm = algorithm_for(load_config(recipe, [f"algo.name={name}"] if recipe == "tiny" else []))
+    # a tiny recipe of the algorithm's (every algorithm comes with one)
+    recipe = next(r for r in sorted(recipe_names()) if r.startswith("tiny") and load_config(r).algo.name == name)
+    algorithm = algorithm_for(load_config(recipe))
     wanted = {n for n, _ in inspect.getmembers(Algorithm, inspect.isfunction)} - set(dir(object))
     assert wanted <= set(dir(algorithm)) and algorithm.spec is spec_of(name)
     for method in wanted:
