@@ -29,11 +29,6 @@ class MixGRPO:
         self._start = 0
         self._sde_noise: list = []  # the window's noise of the rollout's chunks still to sample (futures)
 
-    def window(self, step: int) -> list[int]:
-        m = self.cfg.mixgrpo
-        return mix.window(step, self.cfg.rollout.num_steps, m.window_size, m.window_every, m.window_stride,
-                          m.window_roll_back)
-
     def make_trainer(self, policy, group, num_train_ranks: int) -> MixGRPOTrainer:
         self.trainer = MixGRPOTrainer(self.cfg, policy, group, num_train_ranks)
         return self.trainer
@@ -49,10 +44,10 @@ class MixGRPO:
     def begin_rollout(self, step: int, parts: list[list[int]]) -> None:
         """The step's window, and every chunk's window noise, drawn on the host by a worker thread
         while the GPU samples."""
-        m = self.cfg.mixgrpo
-        self._window = self.window(step)
-        self._start = mix.window_start(step, self.cfg.rollout.num_steps, m.window_every, m.window_stride,
-                                       m.window_roll_back)  # where the window is, even where it holds no step
+        m, num_steps = self.cfg.mixgrpo, self.cfg.rollout.num_steps
+        # where the window is (recorded even where it holds no step), then its steps
+        self._start = mix.window_start(step, num_steps, m.window_every, m.window_stride, m.window_roll_back)
+        self._window = mix.window_steps(self._start, num_steps, m.window_size)
         shape = (len(self._window), *self.models.latent_shape)
         self._sde_noise = self.noise_ahead.draw(shape, self.cfg.rollout.seed, step, parts, SDE_NOISE,
                                                 pin=self.models.device.type == "cuda")

@@ -27,11 +27,15 @@ def window_start(step: int, num_steps: int, every: int, stride: int, roll_back: 
     return start
 
 
-def window(step: int, num_steps: int, size: int, every: int, stride: int, roll_back: bool) -> list[int]:
-    """The sampler steps the rollout of `step` samples with the SDE and trains: empty where the
-    window starts at T - 2 (as the authors', a step that trains nothing)."""
-    start = window_start(step, num_steps, every, stride, roll_back)
+def window_steps(start: int, num_steps: int, size: int) -> list[int]:
+    """The sampler steps of the window that starts at `start`: empty where it starts at T - 2 (as
+    the authors', a step that trains nothing)."""
     return list(range(start, min(start + size, num_steps - 2)))
+
+
+def window(step: int, num_steps: int, size: int, every: int, stride: int, roll_back: bool) -> list[int]:
+    """The sampler steps the rollout of `step` samples with the SDE and trains."""
+    return window_steps(window_start(step, num_steps, every, stride, roll_back), num_steps, size)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
