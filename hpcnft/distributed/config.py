@@ -11,6 +11,7 @@ BACKENDS = ("auto", "gloo", "nccl")  # auto: nccl on GPUs, gloo on CPUs (groups.
 DEVICES = ("auto", "cpu", "cuda")  # auto: cuda where a GPU is (groups.pick_device)
 MAX_TIMEOUT_S = 86400.0  # collectives wait at most a day
 STAGGER = ("auto", "always", "never")
+TRANSPORTS = ("auto", "gloo", "nccl")  # the reward traffic's images (groups.resolve_transport)
 
 
 @dataclass
@@ -33,10 +34,18 @@ class LayoutConfig:
         "auto", "the train ranks of one host load the base transformer one at a time (it sits in host memory in fp32 "
         "until cast: FLUX.1-dev's is 44 GiB): `auto` where all at once would take over 80 % of the memory available "
         "as they start, `always`, `never`", choices=STAGGER, on_resume="free")
+    reward_transport: str = setting(
+        "auto", "how the images reach the reward ranks: `gloo` (copied to the host, sent over gloo), `nccl` (from "
+        "device to device on a communicator per train/reward pair; an NCCL job only), `auto` (gloo: "
+        "docs/architecture.md says why); the requests, scores and messages travel over gloo either way",
+        choices=TRANSPORTS, on_resume="free")
 
     def check(self) -> None:
         if self.emulate_hosts and (self.backend == "gloo" or self.device == "cpu"):
             raise ConfigError("layout.emulate_hosts: lets NCCL ranks share a GPU; it cannot apply with "
+                              f"layout.backend={self.backend!r}, layout.device={self.device!r}")
+        if self.reward_transport == "nccl" and (self.backend == "gloo" or self.device == "cpu"):
+            raise ConfigError("layout.reward_transport: 'nccl' sends the images between GPUs; it cannot apply with "
                               f"layout.backend={self.backend!r}, layout.device={self.device!r}")
 
 

@@ -38,8 +38,13 @@ class Topology:
     hosts: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
     # The reward traffic's group of every rank on the host (gloo); None when the world group is
-    # gloo already (reward_service says why NCCL does not carry it).
+    # gloo already (reward_service says why NCCL does not carry the requests).
     host_group: object = field(default=None, repr=False)
+    # layout.reward_transport resolved ("gloo" or "nccl"), and under "nccl" this rank's NCCL
+    # communicators with its reward peers, by the peer's rank (a train rank: its reward rank;
+    # a reward rank: each of its train ranks).
+    reward_transport: str = "gloo"
+    pair_groups: dict = field(default_factory=dict, repr=False)
 
     @property
     def role(self) -> str:
@@ -66,7 +71,8 @@ class Topology:
                 "roles": ["reward" if r in self.reward_ranks else ("colocated" if not self.reward_ranks else "train")
                           for r in range(self.world_size)],
                 "hosts": self.hosts, "launcher": self.launcher, "devices": self.devices, "backend": self.backend,
-                "slurm_job_id": self.job_id or "", "torch_version": torch.__version__}
+                "slurm_job_id": self.job_id or "", "torch_version": torch.__version__,
+                "reward_transport": self.reward_transport if self.reward_ranks else ""}
 
 
 def pick_device(cfg, local_rank: int) -> torch.device:
@@ -115,6 +121,29 @@ def resolve_backend(cfg, device: torch.device) -> str:
     return backend
 
 
+def resolve_transport(cfg, backend: str) -> str:
+    """layout.reward_transport: `nccl` only where the job's backend is NCCL (ConfigError
+    otherwise); `auto` is gloo (docs/architecture.md, "The reward traffic", says why)."""
+    want = cfg.layout.reward_transport
+    if want == "nccl" and backend != "nccl":
+        raise ConfigError(f"layout.reward_transport: 'nccl' sends the images between GPUs; this job's backend is "
+                          f"{backend} on the {'GPU' if backend == 'nccl' else 'CPU'}")
+    return "nccl" if want == "nccl" else "gloo"
+
+
+def pair_groups(topo: Topology, timeout: datetime.timedelta, backend: str = "nccl") -> dict[int, object]:
+    """One communicator per train/reward pair (NCCL in a job), made by every rank in the train
+    ranks' order (new_group is collective); this rank keeps those it belongs to, by its peer's
+    rank."""
+    mine = {}
+    for t in topo.train_ranks:
+        r = topo.reward_rank_for(t)
+        g = dist.new_group(sorted((t, r)), timeout=timeout, backend=backend)
+        if topo.rank in (t, r):
+            mine[r if topo.rank == t else t] = g
+    return mine
+
+
 def group_backends(backend: str, cfg) -> str:
     """The process groups' backend string: under perf.fsdp_cpu_offload an NCCL job also gets gloo,
     for collectives on CPU tensors (gradient clipping reduces the norms of CPU-resident shards)."""
@@ -137,6 +166,7 @@ def setup(cfg, info: LaunchInfo):
 
     device = pick_device(cfg, info.local_rank)
     backend = resolve_backend(cfg, device)
+    transport = resolve_transport(cfg, backend)
     if cfg.layout.emulate_hosts:
         emulate_host(info.rank)
     train, reward = roles(info.world_size, cfg.layout.reward_ranks)
@@ -150,7 +180,7 @@ def setup(cfg, info: LaunchInfo):
     except dist.DistError as e:  # DistNetworkError (the port), DistStoreError (a timeout)
         raise rendezvous_error(e, info, netif.route_to(info.master_addr)) from e
     topo = Topology(info.rank, info.world_size, info.local_rank, train, reward, info.launcher, backend, device,
-                    info.job_id, info.restart_count)
+                    info.job_id, info.restart_count, reward_transport=transport)
     everyone: list = [None] * info.world_size
     dist.all_gather_object(everyone, (socket.gethostname(), str(device)))
     topo.hosts = [h for h, _ in everyone]
@@ -160,6 +190,8 @@ def setup(cfg, info: LaunchInfo):
     train_group = dist.new_group(train, timeout=timeout)
     if reward and backend != "gloo":
         topo.host_group = dist.new_group(backend="gloo", timeout=timeout)
+    if reward and transport == "nccl":
+        topo.pair_groups = pair_groups(topo, timeout)
     mesh = DeviceMesh(device.type, torch.tensor(train))
     return topo, train_group, mesh
 

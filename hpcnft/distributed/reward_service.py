@@ -22,15 +22,20 @@ rank scores chunk j while chunk j+1 is being made. Messages:
 The reward rank maps indices to prompts with its own copy of the prompt lists, so text never
 travels. Sizes are checked against bounds before anything is allocated.
 
-Why gloo under NCCL too: the reward rank must take the next request from whichever train rank
-sends first, and only gloo receives from any source and matches messages by tag. NCCL does
-neither: a receive waits on the GPU for one peer, in the order posted. Pre-posted receives per
-train rank (even on a communicator per pair) leave kernels spinning on the device until that
-rank's next request, and CUDA shares its hardware queues between streams
+Why the requests travel over gloo under NCCL too: the reward rank must take the next request from
+whichever train rank sends first, and only gloo receives from any source and matches messages by
+tag. NCCL does neither: a receive waits on the GPU for one peer, in the order posted. Pre-posted
+receives per train rank (even on a communicator per pair) leave kernels spinning on the device
+until that rank's next request, and CUDA shares its hardware queues between streams
 (CUDA_DEVICE_MAX_CONNECTIONS), so such a kernel can hold the traffic of another train rank
 behind it while the train ranks wait for each other in FSDP's collectives: a deadlock (seen on
-one H200 in the 3+1 layout). The images are consumed on the host anyway (PickScore's
-preprocessing) and are small beside a step (the recipe's 64 images of 512² are 48 MiB).
+one H200 in the 3+1 layout).
+
+The images (the payload) travel on one of two channels (layout.reward_transport): `HostImages`,
+copied to the host and sent over gloo with the request; or `DeviceImages`, sent from GPU to GPU
+on an NCCL communicator per train/reward pair. The reward rank posts the NCCL receive only once
+the request's header has come (over gloo), so the send it matches is already posted: no receive
+ever waits on the device for a request that has not been made. Scores and messages stay on gloo.
 """
 from __future__ import annotations
 
@@ -117,6 +122,53 @@ def validate_header(h: list[int]) -> None:
         raise RewardServiceError(f"malformed request: end message with flag {n}")
 
 
+class HostImages:
+    """The images over gloo: copied to the host (which waits for their decode), tag-matched."""
+
+    name = "gloo"
+
+    def __init__(self, group):
+        self.group = group
+
+    def isend(self, images: torch.Tensor, dst: int) -> tuple[object, torch.Tensor]:
+        imgs = images.cpu().contiguous()  # waits for the decode of this chunk only
+        return dist.isend(imgs, dst, group=self.group, tag=PAYLOAD_TAG), imgs
+
+    def recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.uint8)
+        dist.recv(t, src, group=self.group, tag=PAYLOAD_TAG)
+        return t
+
+
+class DeviceImages:
+    """The images over NCCL, from device to device, on the communicator of each train/reward pair
+    (`groups`: by the peer's rank). Only images travel on it, in order, so no tags are needed. The
+    send is queued behind the decode on the GPU and the train rank goes on at once; the reward
+    rank's receive is posted only after the request's header came over gloo, and the terms read
+    the images where they landed (on the reward rank's GPU)."""
+
+    name = "nccl"
+
+    def __init__(self, groups: dict[int, object], device: torch.device):
+        self.groups, self.device = groups, device
+
+    def isend(self, images: torch.Tensor, dst: int) -> tuple[object, torch.Tensor]:
+        imgs = images.to(self.device).contiguous()
+        return dist.isend(imgs, dst, group=self.groups[dst]), imgs
+
+    def recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.uint8, device=self.device)
+        dist.recv(t, src, group=self.groups[src])
+        return t
+
+
+def image_channel(topo) -> HostImages | DeviceImages:
+    """The images' channel of this rank's reward traffic (layout.reward_transport, resolved)."""
+    if topo.reward_transport == "nccl":
+        return DeviceImages(topo.pair_groups, topo.device)
+    return HostImages(topo.host_group)
+
+
 @dataclass
 class Pending:
     works: list
@@ -135,8 +187,10 @@ class RemoteRewardClient:
     job's host group (None: the world group, when it is gloo already); `columns` the number of
     reward terms a reply holds per kind."""
 
-    def __init__(self, reward_rank: int, group, timeout_s: float, columns: dict[int, int] = ONE_TERM):
+    def __init__(self, reward_rank: int, group, timeout_s: float, columns: dict[int, int] = ONE_TERM,
+                 images: HostImages | DeviceImages | None = None):
         self.dst, self.group, self.timeout_s, self.columns = reward_rank, group, timeout_s, dict(columns)
+        self.images = images or HostImages(group)  # the payload's channel (layout.reward_transport)
         self.server_busy_s = self.server_idle_s = 0.0  # the reward rank's totals, from its replies
         self.peer_preempt = False
         self.warnings: list[str] = []  # the terms' warnings from the replies, until taken
@@ -150,9 +204,9 @@ class RemoteRewardClient:
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]) -> Pending:
         n, h, w, _ = images.shape
         header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64)
-        imgs = images.cpu().contiguous()  # waits for the decode of this chunk only
         idx = torch.tensor(indices, dtype=torch.int64)
-        works = [self._send(header, HEADER_TAG), self._send(imgs, PAYLOAD_TAG), self._send(idx, PAYLOAD_TAG)]
+        sent, imgs = self.images.isend(images, self.dst)
+        works = [self._send(header, HEADER_TAG), sent, self._send(idx, PAYLOAD_TAG)]
         r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64)
         scores = torch.zeros((n, self.columns[kind]), dtype=torch.float32)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8)
@@ -281,16 +335,20 @@ def next_request(group, active: list[int]) -> tuple[int, torch.Tensor]:
 
 
 def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=None,
-          columns: dict[int, int] = ONE_TERM, on_failure=lambda: None) -> dict[str, float]:
+          columns: dict[int, int] = ONE_TERM, on_failure=lambda: None,
+          images: HostImages | DeviceImages | None = None) -> dict[str, float]:
     """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
-    host group `group` (None: the world group, when it is gloo already).
-    `score_fn(kind, step, images uint8 [n,H,W,3] CPU, indices) -> float32 [n, columns[kind]]`. Returns
+    host group `group` (None: the world group, when it is gloo already); the images come on
+    `images` (the host group by default).
+    `score_fn(kind, step, images uint8 [n,H,W,3], indices) -> float32 [n, columns[kind]]`, the
+    images on the host (gloo) or on this rank's GPU (nccl). Returns
     busy/idle seconds, whether the train ranks stopped for preemption and, where a term's service
     stayed unreachable (OUTAGE), its line.
     `snapshot_fn(step)` writes this rank's RNG state into that step's checkpoint. A train rank's
     ERROR, or a scoring failure, raises RewardServiceError after the failing side has been told;
     `on_failure()` runs first, before the train rank hears of it (the failure claim)."""
     active = list(clients)
+    channel = images or HostImages(group)
     busy = idle = 0.0
     preempted = False
     outage = ""  # a term's service stayed unreachable: every later chunk is answered so, unscored
@@ -327,7 +385,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                 reply(ready, FAILED, 0, _encode_msg(f"{type(e).__name__}: {e}"))
                 raise
         else:
-            images = recv(torch.empty((n, height, width, 3), dtype=torch.uint8), ready)
+            pixels = channel.recv((n, height, width, 3), ready)
             idx = recv(torch.empty(n, dtype=torch.int64), ready)
             if outage:
                 reply(ready, OUTAGE, n, torch.zeros((n, columns[kind])), _encode_msg(outage))
@@ -335,7 +393,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                 continue
             try:
                 with collected() as found:
-                    scores = score_fn(kind, step, images, idx.tolist()).to(torch.float32).cpu().contiguous()
+                    scores = score_fn(kind, step, pixels, idx.tolist()).to(torch.float32).cpu().contiguous()
                 if tuple(scores.shape) != (n, columns[kind]):
                     raise RewardServiceError(f"scores of shape {tuple(scores.shape)} for {n} images and "
                                              f"{columns[kind]} reward terms")

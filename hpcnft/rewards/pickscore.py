@@ -55,7 +55,7 @@ class PickScoreScorer:
         if self.preprocess_on_device:
             return clip_pixel_values(torch.as_tensor(images), self.processor.image_processor, self.device)
         if isinstance(images, torch.Tensor):
-            images = images.numpy()
+            images = images.cpu().numpy()  # on the reward rank's GPU under layout.reward_transport=nccl
         pil = [Image.fromarray(np.ascontiguousarray(im)) for im in images]
         return self.processor(images=pil, return_tensors="pt")["pixel_values"].to(self.device)
 

@@ -128,7 +128,8 @@ def _rank_main(cfg: Config, info: LaunchInfo, recipe: str, overrides: list[str],
         check_trackers(cfg)
         check_term_extras(cfg)
         check_layout(cfg, info.world_size)
-        groups.resolve_backend(cfg, groups.pick_device(cfg, info.local_rank))  # the device and backend here
+        backend = groups.resolve_backend(cfg, groups.pick_device(cfg, info.local_rank))  # the device and backend here
+        groups.resolve_transport(cfg, backend)
     except (UsageError, ConfigError) as e:
         return refused(info, str(e))
     try:

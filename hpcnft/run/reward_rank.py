@@ -8,7 +8,7 @@ from hpcnft.algo.root_config import Config
 from hpcnft.common import collector, determinism
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag
-from hpcnft.distributed.reward_service import serve
+from hpcnft.distributed.reward_service import image_channel, serve
 from hpcnft.io.checkpointer import restore_rank_rng, snapshot_rank_rng
 from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import log
@@ -31,7 +31,8 @@ def reward_main(cfg: Config, topo, flag: PreemptFlag, plan: ResumePlan) -> int:
 
     log.info("reward rank %d serving train ranks %s", topo.rank, topo.clients_of(topo.rank))
     stats = serve(topo.clients_of(topo.rank), topo.host_group, score_fn, snapshot, flag,
-                  reply_columns(cfg), on_failure=lambda: FailureClaim(cfg.run_dir).claim(topo.rank))
+                  reply_columns(cfg), on_failure=lambda: FailureClaim(cfg.run_dir).claim(topo.rank),
+                  images=image_channel(topo))
     log.info("reward rank done: busy %.1f s, idle %.1f s", stats["busy_s"], stats["idle_s"])
     if stats["outage"]:  # the train ranks checkpointed what they finished and stopped
         return EXIT_UNAVAILABLE

@@ -11,7 +11,7 @@ from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.algo.root_config import Config
 from hpcnft.common import determinism
-from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient
+from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, image_channel
 from hpcnft.models.load_turns import load_turn
 from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers
@@ -37,7 +37,7 @@ def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> L
                                    overlap=cfg.perf.overlap_reward)  # perf.overlap_reward
     else:
         client = RemoteRewardClient(topo.reward_rank_for(topo.rank), topo.host_group, cfg.layout.timeout_s,
-                                    reply_columns(cfg))
+                                    reply_columns(cfg), image_channel(topo))
     algorithm = algorithm_for(cfg)  # algo.name's sampler, train batch and trainer
     algorithm.make_trainer(policy, group, len(topo.train_ranks))
     return Learner(cfg, topo, group, mesh, client, pipe, policy, algorithm)

@@ -64,6 +64,26 @@ def test_layout_runs_to_the_end(two_plus_one, tmp_path, train, reward):
         assert got.metrics[key][0, 1] == ref[key][0, 1], key
 
 
+# The images over NCCL (a communicator per train/reward pair) in the layouts where receives
+# pre-posted per train rank once hung (3+1), and beside another reward rank (2+2).
+@pytest.mark.parametrize("train,reward", [(2, 1), (3, 1), (2, 2)], ids=["2+1", "3+1", "2+2"])
+def test_images_over_nccl_give_the_run_of_images_over_gloo(two_plus_one, tmp_path, train, reward):
+    run_dir = str(tmp_path / f"nccl-{train}+{reward}")
+    extra = ["--set", "rollout.prompts_per_step=3"] if train == 3 else []
+    steps = STEPS if (train, reward) == (2, 1) else "2"
+    run(run_dir, *layout(train, reward), *extra, "--set", "layout.reward_transport=nccl", steps=steps)
+    got = read_run(run_dir)
+    assert got.topology["reward_transport"] == "nccl"
+    assert got.metrics["train/nft_loss"][:, 0].tolist() == [float(s) for s in range(1, int(steps) + 1)]
+    assert any(k.startswith("eval/") for k in got.metrics)  # the evaluation's images came this way too
+    if (train, reward) == (2, 1):
+        assert_same_metrics(two_plus_one, run_dir)
+    elif not extra:
+        ref = non_perf(read_run(two_plus_one).metrics)
+        for key in (k for k in non_perf(got.metrics) if k.startswith("rollout/reward/")):
+            assert got.metrics[key][0, 1] == ref[key][0, 1], key
+
+
 def test_preemption_signal_then_rerun_is_bit_identical(two_plus_one, tmp_path):
     run_dir = str(tmp_path / "usr2")
     proc = start("run", "tiny", "--steps", STEPS, "--run-dir", run_dir, *NCCL)

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from hpcnft.algo.root_config import ConfigError, load_config
-from hpcnft.distributed.groups import Topology, emulate_host, group_backends, resolve_backend
+from hpcnft.distributed.groups import (Topology, emulate_host, group_backends, pair_groups, resolve_backend,
+                                       resolve_transport)
 from hpcnft.distributed.launch import LaunchInfo
-from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
+from hpcnft.distributed.reward_service import EVAL, ROLLOUT, DeviceImages, RemoteRewardClient, serve
 
 
 COLUMNS = {ROLLOUT: 2, EVAL: 1}  # two training terms; evaluation scores one
@@ -33,19 +34,23 @@ def _score(kind, step, images, ids):
     return torch.stack([base + 0.5 * term for term in range(COLUMNS[kind])], dim=1)
 
 
-def _service_rank(rank: int, port: int, results) -> None:
+def _service_rank(rank: int, port: int, results, channel: str) -> None:
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                            timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=timeout)
     host = dist.new_group(backend="gloo")  # the host group a NCCL job makes
     train = dist.new_group([0, 1])
+    images_on = None  # layout.reward_transport=gloo: the images with the requests
+    if channel == "pairs":  # =nccl's logic: the images on a communicator per pair (gloo on a CPU)
+        topo = Topology(rank, 3, rank, [0, 1], [2], "local", "gloo", torch.device("cpu"))
+        images_on = DeviceImages(pair_groups(topo, timeout, backend="gloo"), torch.device("cpu"))
     if rank == 2:
-        results.put((2, serve([0, 1], host, _score, columns=COLUMNS)))
+        results.put((2, serve([0, 1], host, _score, columns=COLUMNS, images=images_on)))
     else:
-        client = RemoteRewardClient(2, host, 60.0, COLUMNS)
+        client = RemoteRewardClient(2, host, 60.0, COLUMNS, images_on)
         if rank == 1:  # sends nothing until rank 0 has all its scores
             dist.barrier(group=train)
         images = torch.full((3, 4, 4, 3), 7 * (rank + 1), dtype=torch.uint8)
@@ -59,7 +64,10 @@ def _service_rank(rank: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
+@pytest.mark.parametrize("channel", ["host", "pairs"])
+def test_each_train_rank_gets_its_own_scores_whatever_the_other_does(channel):
+    """Rank 1 sends nothing until rank 0 has every score: a reward rank that waited on rank 1's
+    channel in a fixed turn (a receive posted before its request) would never answer rank 0."""
     import torch.multiprocessing as mp
 
     from hpcnft.distributed.spawner import free_port
@@ -67,7 +75,7 @@ def test_each_train_rank_gets_its_own_scores_whatever_the_other_does():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_service_rank, args=(r, port, results)) for r in range(3)]
+    procs = [ctx.Process(target=_service_rank, args=(r, port, results, channel)) for r in range(3)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=120) for _ in procs)
@@ -186,3 +194,18 @@ def test_a_chunks_warnings_fit_one_reply_and_say_how_many_did_not():
     text = warnings_msg(many)
     assert len(text.encode()) <= MSG_BYTES
     assert text.split("\n")[:3] == many[:3] and text.endswith("... and 3 more (the reward rank's log has every one)")
+
+
+@pytest.mark.parametrize("over", [["layout.reward_transport=nccl", "layout.backend=gloo"],
+                                  ["layout.reward_transport=nccl", "layout.device=cpu"]])
+def test_images_over_nccl_without_nccl_are_refused_by_the_config(over):
+    with pytest.raises(ConfigError, match="layout.reward_transport"):
+        load_config("tiny", over)
+
+
+def test_images_over_nccl_are_refused_where_the_backend_is_gloo_and_auto_is_gloo():
+    cfg = load_config("tiny", ["layout.reward_transport=nccl"])  # the device auto: a CPU here
+    with pytest.raises(ConfigError, match="layout.reward_transport.*gloo on the CPU"):
+        resolve_transport(cfg, resolve_backend(cfg, torch.device("cpu")))
+    assert resolve_transport(cfg, "nccl") == "nccl"
+    assert resolve_transport(load_config("tiny", []), "nccl") == "gloo"
