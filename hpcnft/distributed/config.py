@@ -17,9 +17,9 @@ TRANSPORTS = ("auto", "gloo", "nccl")  # the reward traffic's images (groups.res
 @dataclass
 class LayoutConfig:
     train_ranks: int = setting(2, "train ranks the local spawner starts (under a launcher the world size decides)",
-                               bound="> 0")
+                               bound="> 0", on_resume="free")
     reward_ranks: int = setting(1, "reward ranks; 0: the reward is scored in the training process (colocated)",
-                                bound=">= 0")
+                                bound=">= 0", on_resume="free")
     backend: str = setting("auto", "the collective backend: `auto` (nccl on GPUs, gloo on CPUs), `gloo` or `nccl`",
                            choices=BACKENDS)
     device: str = setting("auto", "where the ranks compute: `auto` (a GPU where there is one), `cpu` or `cuda`",

@@ -17,8 +17,8 @@ import numpy as np
 
 from hpcnft.io import run_state
 from hpcnft.io.room import NoRoom, Room
-from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_ATTR, SCHEMA, RunFileError, error_line, event_row,
-                               open_swmr_reader, read_run)
+from hpcnft.io.runfile import (ALL_KEYS, EVENT_DTYPE, LOSS_ATTR, SCHEMA, RunFileError, decode_attr, error_line,
+                               event_row, open_swmr_reader, read_run)
 
 
 def _clear_swmr_flags(path: str) -> None:
@@ -193,14 +193,17 @@ class RunFileWriter:
         self._f.swmr_mode = True
 
     @_writes
-    def set_topology(self, attrs: Mapping[str, object]) -> None:
+    def set_topology(self, attrs: Mapping[str, object]) -> dict:
+        """This start's topology in place of the last start's, which it returns (decoded)."""
         self._restructure()
         topo = self._f["topology"]
+        before = {k: decode_attr(v) for k, v in topo.attrs.items()}
         for k in list(topo.attrs):
             del topo.attrs[k]
         for k, v in attrs.items():
             topo.attrs[k] = _attr_value(v)
         self._resume_swmr()
+        return before
 
     @_writes
     def add_attempt(self, attrs: Mapping[str, object]) -> int:

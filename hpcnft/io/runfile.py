@@ -64,7 +64,8 @@ def reward_term_keys(rollout_terms: list[str], eval_terms: list[str]) -> list[st
     return [k for k in keys if k not in ALL_KEYS]
 
 
-EVENT_KINDS = ("start", "resume", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval", "warning")
+EVENT_KINDS = ("start", "resume", "layout", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval",
+               "warning")
 EVENT_DTYPE = np.dtype([("step", "<i8"), ("time", "<f8"), ("kind", "S16"), ("text", "S1024")])
 
 
@@ -195,7 +196,7 @@ def read_run(path: str) -> RunData:
         path = os.path.join(path, "run.h5")
     f = open_for_reading(path)
     try:
-        attrs = {k: _decode(v) for k, v in f.attrs.items()}
+        attrs = {k: decode_attr(v) for k, v in f.attrs.items()}
         schema = attrs.get("schema")
         if not (isinstance(schema, int) and schema == SCHEMA):
             raise RunFileError(f"{path}: not an hpcnft run file of schema {SCHEMA} (schema={schema!r})"[:300])
@@ -211,11 +212,11 @@ def read_run(path: str) -> RunData:
         metrics: dict[str, np.ndarray] = {}
         _walk_metrics(metrics_group, "", metrics, path)
         topo = _group(f, "topology", path)
-        topology = {k: _decode(v) for k, v in topo.attrs.items()} if topo is not None else {}
+        topology = {k: decode_attr(v) for k, v in topo.attrs.items()} if topo is not None else {}
         attempts = []
         att = _group(f, "attempts", path)
         for name in sorted(att or [], key=lambda s: int(s) if s.isdigit() else 1 << 30):
-            attempts.append({"n": name, **{k: _decode(v) for k, v in att[name].attrs.items()}})
+            attempts.append({"n": name, **{k: decode_attr(v) for k, v in att[name].attrs.items()}})
         events = []
         if "events" in f:
             ds = f["events"]
@@ -253,7 +254,7 @@ def read_rng(path: str, step: int) -> dict[int, bytes]:
         return {int(n.split("_")[1]): bytes(g[n][()]) for n in g}
 
 
-def _decode(v):
+def decode_attr(v):
     if isinstance(v, bytes):
         return v.decode(errors="replace")
     if isinstance(v, np.generic):

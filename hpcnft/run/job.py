@@ -24,7 +24,7 @@ from hpcnft.io.trackers import TrackerGroup
 from hpcnft.rewards.registry import training_terms
 from hpcnft.run.output import (claim_first_failure, eval_line, fail_line, log, pass_line, print_err, progress_line,
                                reward_header, save_grid)
-from hpcnft.run.resume import ResumePlan
+from hpcnft.run.resume import ResumePlan, layout_change
 from hpcnft.run.rundir import finished_line
 from hpcnft.run.train_rank import build_train_rank
 
@@ -93,7 +93,7 @@ class TrainJob:
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         (*spec.metric_keys, *term_keys), loss_key=spec.loss_key)
         self.checkpointer.run_file = w  # its copy, RNG rows and event go with every checkpoint
-        w.set_topology(topo.as_attrs())
+        last_topology = w.set_topology(topo.as_attrs())
         for text in self.warnings:  # the resume plan's: skipped checkpoints, changed keys
             w.event(start_step, "warning", text)
         if self.rebuilt:
@@ -112,6 +112,10 @@ class TrainJob:
             w.drop_rng_after(start_step)
             w.event(start_step, "resume", f"resumed from {self.resumed_from}; dropped {dropped} metric rows "
                                           f"after step {start_step}")
+            moved = layout_change(last_topology, topo.as_attrs())  # a requeue onto what the cluster had free
+            if moved:
+                self.say(moved)
+                w.event(start_step, "layout", moved)
         else:
             w.truncate_after(-1)  # a run that died before its first checkpoint starts over
         w.add_attempt({"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "from_step": start_step,

@@ -3,6 +3,7 @@ and agreed on by every rank; and whether run.h5 must first be rebuilt from a che
 copy of it (deleted, damaged, another run's, or ending before the checkpoint)."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -14,6 +15,28 @@ from hpcnft.io import checkpoint, run_state
 from hpcnft.io.run_state import run_file_trouble
 from hpcnft.io.runfile import read_run
 from hpcnft.run.config_changes import config_changes, describe_changes, resume_refusal
+
+
+def _listed(value) -> list:
+    """A topology attribute that holds a list (run.h5 keeps lists as JSON text)."""
+    return json.loads(value) if isinstance(value, str) else list(value)
+
+
+def _layout(topology: dict) -> str:
+    train, reward = _listed(topology.get("train_ranks", [])), _listed(topology.get("reward_ranks", []))
+    hosts = sorted(set(_listed(topology.get("hosts", []))))
+    ranks = f"{len(train)} train + {len(reward)} reward ranks" if reward else f"{len(train)} train rank(s), colocated"
+    return f"{ranks} on {len(hosts)} host(s) ({', '.join(hosts)})" if hosts else ranks
+
+
+def layout_change(before: dict, now: dict) -> str:
+    """The line saying that a resume runs on another layout than the start before it (the
+    numbers of train and reward ranks, the hosts), "" when it does not or nothing was recorded.
+    The checkpoint is resharded onto the new train ranks (torch.distributed.checkpoint)."""
+    if not before or "train_ranks" not in before:
+        return ""
+    old, new = _layout(before), _layout(now)
+    return f"resuming on another layout: {old} -> {new}" if old != new else ""
 
 
 class RunFileLostError(Exception):

@@ -151,3 +151,16 @@ def test_rank_0s_plan_carries_the_skipped_checkpoints_and_its_failures_are_raise
     monkeypatch.setattr(resume, "plan_resume", broken)
     with pytest.raises(RuntimeError, match=r"^OSError: Input/output error$"):
         resume.agree_plan(cfg, 0)
+
+
+def test_a_resume_on_other_ranks_or_hosts_is_named_and_the_same_layout_is_not():
+    from hpcnft.run.resume import layout_change
+
+    before = {"train_ranks": "[0, 1]", "reward_ranks": "[2]", "hosts": '["n01", "n01", "n02"]'}  # as run.h5 holds it
+    assert layout_change(before, {"train_ranks": [0, 1], "reward_ranks": [2], "hosts": ["n01", "n01", "n02"]}) == ""
+    assert layout_change(before, {"train_ranks": [0, 1], "reward_ranks": [2], "hosts": ["n03", "n03", "n03"]}) == (
+        "resuming on another layout: 2 train + 1 reward ranks on 2 host(s) (n01, n02) -> "
+        "2 train + 1 reward ranks on 1 host(s) (n03)")
+    assert layout_change(before, {"train_ranks": [0], "reward_ranks": [], "hosts": ["n01"]}).endswith(
+        "-> 1 train rank(s), colocated on 1 host(s) (n01)")
+    assert layout_change({}, {"train_ranks": [0], "reward_ranks": [], "hosts": ["n01"]}) == ""  # a first start
