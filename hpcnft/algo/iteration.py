@@ -18,6 +18,7 @@ from hpcnft.algo.prompts import read_prompt_file, train_stream
 from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, grid_sample_ids, initial_noise
+from hpcnft.algo.virtual_shards import eval_parts, rollout_parts, shard_size
 from hpcnft.distributed.groups import Topology
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RewardOutage
 from hpcnft.models.families import family_of
@@ -94,7 +95,11 @@ class Learner:
         cfg, g = self.cfg, self.cfg.rollout.samples_per_prompt
         t0 = time.perf_counter()
         mine = list(owned_range(cfg.samples_per_step, self.topo))
-        parts = chunks(mine, cfg.rollout.batch_size)
+        if cfg.determinism.layout_invariant:  # no sampling batch across a virtual shard
+            parts = rollout_parts(mine, shard_size(cfg.samples_per_step, cfg.determinism.virtual_shards),
+                                  cfg.rollout.batch_size)
+        else:
+            parts = chunks(mine, cfg.rollout.batch_size)
         noises = self.noise_ahead.draw(self.latent_shape, cfg.rollout.seed, step, parts, "rollout_noise",
                                        pin=self.topo.device.type == "cuda")
         self.algorithm.begin_rollout(step, parts)
@@ -223,7 +228,10 @@ class Learner:
         n = cfg.eval.num_prompts or len(self.eval_prompts)
         n = min(n, len(self.eval_prompts))
         pending = []  # (prompt ids, request)
-        parts = eval_chunks(n, self.topo, cfg.rollout.batch_size)
+        if cfg.determinism.layout_invariant:  # chunks cut from the global prompt list
+            parts = eval_parts(n, cfg.rollout.batch_size, self.topo.train_index, len(self.topo.train_ranks))
+        else:
+            parts = eval_chunks(n, self.topo, cfg.rollout.batch_size)
         self.encoder.prepare([self.eval_prompts[max(i, 0)] for chunk in parts for i in chunk])
         with self.policy.eval_weights():
             for chunk in parts:

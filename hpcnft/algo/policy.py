@@ -76,6 +76,10 @@ class Policy:
         if not levers.use_fsdp(self.cfg, mesh):  # perf.skip_single_rank_fsdp on a one-rank mesh
             return
         options = levers.fsdp_options(self.cfg, self.device, tr)  # perf.fsdp_cpu_offload, replicate_frozen_base
+        if self.cfg.determinism.layout_invariant:  # the adapters whole on every rank: the trainer sums
+            # their shards' gradients itself, in a fixed order (hpcnft.algo.virtual_shards)
+            trained = {p for p in tr.parameters() if p.requires_grad}
+            options["ignored_params"] = options.get("ignored_params", set()) | trained
         # FSDP2 wants one dtype per parameter group: with a half-precision base, each LoRA linear
         # (fp32) gets its own group. Fewer groups mean fewer collectives, so only then (and not
         # where the base is left out of FSDP2 altogether).

@@ -114,9 +114,27 @@ class Config:
             raise ConfigError("perf.replicate_frozen_base: keeps the frozen base whole on the GPU, which "
                               "perf.fsdp_cpu_offload moves to CPU memory; set one of them to false")
         self.check_remote_wait()
+        if self.determinism.layout_invariant:
+            self.check_layout_invariant()
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
+
+    def check_layout_invariant(self) -> None:
+        """What determinism.layout_invariant needs: LoRA (the shards' gradients are gathered whole),
+        an algorithm whose trainer sums shards (DiffusionNFT), and shards that split the step."""
+        shards = self.determinism.virtual_shards
+        if self.train.finetune != "lora":
+            raise ConfigError("determinism.layout_invariant: gathers every shard's gradient whole, which a full "
+                              "fine-tune's would make V x the DiT's size per rank; it needs train.finetune=\"lora\"")
+        spec = spec_of(self.algo.name)
+        if not spec.sums_virtual_shards:
+            able = ", ".join(s.name for s in specs() if s.sums_virtual_shards)
+            raise ConfigError(f"determinism.layout_invariant: {spec.title}'s trainer does not sum virtual shards "
+                              f"(algo.name={self.algo.name!r}); algo.name may be: {able}")
+        if self.samples_per_step % shards:
+            raise ConfigError(f"determinism.virtual_shards: {shards} shards do not split the step's "
+                              f"{self.samples_per_step} samples evenly")
 
     def check_remote_wait(self) -> None:
         """A remote term's wait for its server must end before the train ranks stop waiting for

@@ -27,6 +27,8 @@ class AlgorithmSpec:
     # `hpcnft bench --algo NAME`: the values its SD3.5-M recipe gives it, and the perf levers it refuses
     bench_overrides: dict[str, object] = {}
     refused_levers: tuple[str, ...] = ()
+    # determinism.layout_invariant: its trainer sums a step's virtual shards in a fixed order
+    sums_virtual_shards: bool = False
 
     def section_of(self, cfg):
         return getattr(cfg, self.section)

@@ -249,3 +249,9 @@ class DeterminismConfig:
                                   "kernels (turns those perf levers off)")
     cpu_threads: int = setting(1, "CPU threads per rank, fixed (CPU conv reductions depend on the thread count)",
                                bound="> 0")
+    layout_invariant: bool = setting(
+        False, "results that do not depend on the number of train ranks: a step's samples in "
+        "`determinism.virtual_shards` fixed shards, each sampled in its own batches and trained at `train.micro_batch`, "
+        "the shards' gradients gathered and summed in a fixed order (LoRA, DiffusionNFT; docs/determinism.md)")
+    virtual_shards: int = setting(8, "`determinism.layout_invariant`: the fixed shards of a step's samples; the number "
+                                     "of train ranks must divide it", bound="> 0")

@@ -77,6 +77,10 @@ def check_layout(cfg, world_size: int) -> None:
         raise ConfigError(f"rollout: {cfg.samples_per_step} samples per step do not split evenly over "
                           f"{train_ranks} train ranks (prompts_per_step x samples_per_prompt must be a multiple "
                           f"of the train ranks)")
+    shards = cfg.determinism.virtual_shards
+    if cfg.determinism.layout_invariant and shards % train_ranks:
+        raise ConfigError(f"determinism.virtual_shards: {shards} shards do not split evenly over {train_ranks} "
+                          f"train ranks (layout_invariant: the train ranks must divide the shards)")
     parts = cfg.rank_sample_parts  # Flow-GRPO's updates: each train rank takes part in every one alike
     if (cfg.samples_per_step // train_ranks) % parts:
         raise ConfigError(f"grpo.updates_per_step: the {cfg.samples_per_step // train_ranks} samples of each of "

@@ -16,6 +16,7 @@ class NFTSpec(AlgorithmSpec):
     metric_keys = TRAIN_KEYS
     plot_keys = ("train/nft_loss", "train/grad_norm", "train/nft_pos_loss")
     implementation = "hpcnft.algo.nft.algorithm:NFT"
+    sums_virtual_shards = True
 
     def pair_passes(self, cfg, guidance_passes: int) -> tuple[int, int]:
         """v_old (no grad), the trained forward, its backward, the forward again under gradient

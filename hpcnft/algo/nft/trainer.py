@@ -11,6 +11,7 @@ from hpcnft.algo.nft.pairs import MicroBatch, PairBatch, PairNoise, train_sigma_
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.train_base import TrainerBase
+from hpcnft.algo.virtual_shards import ShardGradients, pair_slices, shard_size
 from hpcnft.distributed.groups import collective_device
 from hpcnft.perf import levers
 from hpcnft.perf.mfu import span
@@ -53,11 +54,44 @@ class Trainer(TrainerBase):
         """One optimizer step over this rank's pairs; returns the step's metrics (all ranks)."""
         cfg, policy = self.cfg, self.policy
         pairs = train_sigma_pairs(cfg, batch.sample_ids, step)
+        invariant = cfg.determinism.layout_invariant
         with span("train/inputs"):
             eps = self.noise.take(step, batch.sample_ids, pairs, tuple(batch.x0.shape[1:]))
+            # micro-batches of the rank's pairs; under determinism.layout_invariant, of each
+            # virtual shard's pairs (sample-major: a shard's pairs are a slice of `pairs`)
+            per_shard = shard_size(cfg.samples_per_step, cfg.determinism.virtual_shards)
+            groups = pair_slices(pairs, batch.sample_ids, per_shard) if invariant else [(0, len(pairs))]
             size = cfg.train.micro_batch
-            mbs = [self.inputs(batch, sigmas, mb, eps[i * size:i * size + len(mb)])
-                   for i, mb in enumerate(self.micro_batches(pairs, size))]
+            shards = [[self.inputs(batch, sigmas, pairs[i:min(i + size, hi)], eps[i:min(i + size, hi)])
+                       for i in range(lo, hi, size)] for lo, hi in groups]
+        self.optimizer.zero_grad(set_to_none=True)
+        comm = collective_device(dist.get_backend(self.group), policy.device) if self.group is not None else None
+        bank = ShardGradients(policy.trainable, self.group) if invariant else None
+        # Gradient of the global mean over all pairs: FSDP averages over the train ranks, the
+        # shards' sum (layout_invariant) does not.
+        loss_norm = (1 if invariant else self.num_train_ranks) / batch.n_global_pairs
+        used_scale = self.scaler.scale
+        total = torch.zeros(len(self.DEVICE_SUMS) + len(self.HOST_SUMS), dtype=torch.float64)
+        for mbs in shards:
+            sums = self.train_pairs(batch, mbs, loss_norm, used_scale)
+            if bank is not None:
+                bank.take(sums)
+            else:
+                total += sums
+        if bank is not None:
+            total = bank.sum_into_grads(comm or policy.device)
+        with span("train/optimizer"):
+            grad_norm, skipped = self._optimizer_step(step)  # one optimizer step a step
+        if self.group is not None and bank is None:
+            total = total.to(comm)
+            dist.all_reduce(total, group=self.group)
+        return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, total.tolist())), grad_norm, skipped,
+                             used_scale)
+
+    def train_pairs(self, batch: PairBatch, mbs: list[MicroBatch], loss_norm: float, scale: float) -> torch.Tensor:
+        """v_old (and the KL reference) of the micro-batches, then each one's forward, loss and
+        backward (gradients accumulate); their metric sums (DEVICE_SUMS + HOST_SUMS), on the host."""
+        cfg, policy = self.cfg, self.policy
         # v_old (and the KL reference) for every micro-batch first, in the same composition as the
         # trained forward: with pi_old == pi_theta and no lever that changes the no-grad passes'
         # rounding, the two branches then agree bit for bit.
@@ -70,26 +104,15 @@ class Trainer(TrainerBase):
         if cfg.nft.kl_beta > 0:
             with torch.no_grad(), policy.base_weights():
                 v_ref = [self.forward(m.x_sigma, m.sigma, batch, m.index) for m in mbs]
-        self.optimizer.zero_grad(set_to_none=True)
         dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=policy.device)
         host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
-        # Gradient of the global mean over all pairs: FSDP averages over the train ranks.
-        loss_norm = self.num_train_ranks / batch.n_global_pairs
-        used_scale = self.scaler.scale
         for i, mb in enumerate(mbs):
             with span("train/micro_batch"):
                 dev_part, host_part = self.micro_batch(batch, mb, v_old[i], v_ref[i] if v_ref else None,
-                                                        loss_norm, used_scale)
+                                                        loss_norm, scale)
             dev_sums += dev_part
             host_sums += host_part
-        with span("train/optimizer"):
-            grad_norm, skipped = self._optimizer_step(step)  # one optimizer step a step
-        sums = torch.cat([dev_sums.cpu(), host_sums])
-        if self.group is not None:
-            sums = sums.to(collective_device(dist.get_backend(self.group), policy.device))
-            dist.all_reduce(sums, group=self.group)
-        return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), grad_norm, skipped,
-                             used_scale)
+        return torch.cat([dev_sums.cpu(), host_sums])
 
     def micro_batch(self, batch: PairBatch, mb: MicroBatch, v_old: torch.Tensor, v_ref, loss_norm: float,
                      scale: float):
