@@ -28,6 +28,7 @@ them with --export=ALL,NAME=value,...):
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -71,6 +72,20 @@ def hpcnft_command(env: Mapping[str, str], which: Callable[[str], str | None] = 
     return ["hpcnft"] if which("hpcnft") else ["python3", "-P", "-m", "hpcnft"]
 
 
+def allocated_tasks(env: Mapping[str, str]) -> int | None:
+    """The tasks of the allocation the job holds now, from SLURM_TASKS_PER_NODE ("2(x3),1": 7).
+    A job requeued onto other nodes (its pending record resized: `scontrol update JobId=J
+    NumNodes=2 NumTasks=2`) keeps its first submission's SLURM_NTASKS, which srun would start
+    regardless of the nodes it now has; None where the variable is absent or unreadable."""
+    total = 0
+    for part in (env.get("SLURM_TASKS_PER_NODE") or "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        total += int(m.group(1)) * int(m.group(2) or 1)
+    return total or None
+
+
 def launcher(env: Mapping[str, str], srun: list[str]) -> list[str]:
     """The launcher words: `srun` (the script's line) inside a Slurm job, SRUN where set, none
     outside Slurm; then what srun needs from the job."""
@@ -83,6 +98,9 @@ def launcher(env: Mapping[str, str], srun: list[str]) -> list[str]:
         return []
     if env.get("SLURM_CPUS_PER_TASK"):
         words.append(f"--cpus-per-task={env['SLURM_CPUS_PER_TASK']}")
+    tasks = allocated_tasks(env)
+    if tasks and os.path.basename(words[0]) == "srun":  # the ranks the nodes it got hold, not the first ones'
+        words.append(f"--ntasks={tasks}")
     gpu_bind = env.get("GPU_BIND", "none")
     if gpu_bind:
         words.append(f"--gpu-bind={gpu_bind}")
@@ -134,7 +152,8 @@ def run(argv: list[str], env: Mapping[str, str], cwd: str) -> int:
     attempt = int(env.get("SLURM_RESTART_COUNT") or 0) + 1
     for text in (f"job {env.get('SLURM_JOB_ID') or 'none'} ({env.get('SLURM_JOB_NAME', '')}) attempt {attempt} "
                  f"on {os.uname().nodename} nodes {env.get('SLURM_JOB_NODELIST') or 'local'} "
-                 f"tasks {env.get('SLURM_NTASKS') or '?'}", f"run dir {directory}", f"command: {shlex.join(full)}"):
+                 f"tasks {allocated_tasks(env) or env.get('SLURM_NTASKS') or '?'}", f"run dir {directory}",
+                 f"command: {shlex.join(full)}"):
         for out in outs:
             say(out, text)
     if log is None:

@@ -10,6 +10,8 @@ with its own name, address and slurmd: tools/local_slurm.sh with HPCNFT_SLURM_NO
   6  a node lost mid-run (its slurmd and every process in its namespace killed): the job ends
      non-zero naming the rank and host; submitted again (the
      node back), it resumes from the last checkpoint, identical
+  10 a 2+1 job (determinism.layout_invariant) requeued onto two nodes (1+1) with node3 drained,
+     then onto all three again (2+1): it goes on on each, identical to the straight run
 
 2, 3 and 5-9 are compared bit for bit (every non-perf metric series) with the local spawner's run of
 the same layout (3 steps for 2 and 3; 5 and 6 run the cheaper steps of test_launchers' SHORT_SET:
@@ -314,3 +316,68 @@ def test_mpirun_inside_a_three_node_allocation_identical(multinode_cluster, ref_
     assert_same_metrics(ref_3, str(run_dir))
     topo = topology(run_dir)
     assert topo["launcher"] == "openmpi" and topo["hosts"] == ["node1", "node2", "node3"], topo
+
+
+# -- 10: a requeue onto fewer nodes and back ---------------------------------------------------
+# determinism.layout_invariant: the run's bits do not depend on the nodes it got; 4 samples a
+# step in 4 shards, which 1 and 2 train ranks divide.
+INVARIANT_SET = SHORT_SET + ["determinism.layout_invariant=true", "determinism.virtual_shards=4"]
+
+
+def requeue_onto(job: str, nodes: int, run_dir) -> None:
+    """Requeue JOB held, resize its pending record to NODES nodes (one task each), release it:
+    what a user or a site's automation does when a node is lost and the job should go on with
+    the others rather than wait for it."""
+    p = _run(["scontrol", "requeuehold", job])
+    assert p.returncode == 0, p.stderr
+    wait_until("the requeued job held", lambda: job_state(job) == "PENDING", 120, lambda: diagnose(run_dir, job))
+    p = _run(["scontrol", "update", f"JobId={job}", f"NumNodes={nodes}", f"NumTasks={nodes}"])
+    assert p.returncode == 0, p.stderr
+    assert _run(["scontrol", "release", job]).returncode == 0
+
+
+def layout_events(run_dir) -> list[tuple[int, str]]:
+    try:
+        return [(e["step"], e["text"]) for e in read_run(str(run_dir)).events if e["kind"] == "layout"]
+    except Exception:  # noqa: BLE001 - run.h5 not written yet
+        return []
+
+
+def steps_after(run_dir, moves: int) -> bool:
+    """Whether the run has trained a step since its `moves`-th layout change."""
+    events = layout_events(run_dir)
+    if len(events) < moves:
+        return False
+    metrics = read_run(str(run_dir)).metrics.get("train/nft_loss")
+    return metrics is not None and len(metrics) and metrics[-1, 0] > events[moves - 1][0]
+
+
+def test_a_job_requeued_onto_fewer_nodes_and_back_goes_on_on_each_and_ends_identical(multinode_cluster, tmp_path,
+                                                                                    tmp_path_factory, jobs):
+    """2+1 over three nodes; node3 drained and the job requeued onto node1-2 (1+1), then node3
+    back and the job requeued onto all three (2+1): each start says the layout it moved to, and
+    the finished run equals the local spawner's straight 2+1 run bit for bit."""
+    ref = local_reference(tmp_path_factory, "mn-invariant", SHORT_STEPS, INVARIANT_SET)
+    run_dir = tmp_path / "run"
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, INVARIANT_SET, cwd=tmp_path,
+                     args=ONE_PER_NODE)
+    jobs.append(job)
+    try:
+        at = wait_for_job_step(job, 2, run_dir)
+        assert at < SHORT_STEPS - 6, f"the run was already at step {at}: too late to move it twice"
+        assert _run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=hpcnft-test"]).returncode == 0
+        requeue_onto(job, 2, run_dir)
+        wait_until("a step on two nodes", lambda: steps_after(run_dir, 1), LONG_TIMEOUT, lambda: diagnose(run_dir, job))
+        assert _run(["scontrol", "update", "NodeName=node3", "State=RESUME"]).returncode == 0
+        requeue_onto(job, 3, run_dir)
+        state = wait(job, timeout=LONG_TIMEOUT)
+    finally:
+        _run(["scontrol", "update", "NodeName=node3", "State=RESUME"])
+    assert state == "COMPLETED", diagnose(run_dir, job)
+    moves = [text for _, text in layout_events(run_dir)]
+    assert len(moves) == 2, moves
+    assert moves[0].endswith("2 train + 1 reward ranks on 3 host(s) (node1, node2, node3) -> "
+                             "1 train + 1 reward ranks on 2 host(s) (node1, node2)"), moves
+    assert moves[1].endswith("-> 2 train + 1 reward ranks on 3 host(s) (node1, node2, node3)"), moves
+    assert "--ntasks=2" in job_output(job)  # the batch step started the tasks the nodes it got hold
+    assert_same_metrics(ref, str(run_dir))

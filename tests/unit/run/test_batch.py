@@ -48,6 +48,17 @@ def test_launcher_inside_and_outside_slurm():
         "/x/srun", "-v", *SRUN[1:], "--cpus-per-task=2", "--gpu-bind=none", "--exclusive", "--label"]
 
 
+def test_srun_starts_the_tasks_of_the_allocation_the_job_holds_now():
+    """A job requeued onto fewer nodes keeps its first SLURM_NTASKS (3); SLURM_TASKS_PER_NODE
+    says what it holds now (1 a node on 2 nodes), and srun is told so."""
+    requeued = {"SLURM_JOB_ID": "7", "GPU_BIND": "", "SLURM_NTASKS": "3", "SLURM_TASKS_PER_NODE": "1(x2)"}
+    assert batch.launcher(requeued, SRUN) == [*SRUN, "--ntasks=2"]
+    assert batch.allocated_tasks({"SLURM_TASKS_PER_NODE": "2(x3),1"}) == 7
+    assert batch.allocated_tasks({"SLURM_TASKS_PER_NODE": "weird"}) is None
+    assert batch.allocated_tasks({}) is None
+    assert batch.launcher(requeued | {"SRUN": "mpirun"}, SRUN)[-1] != "--ntasks=2"  # srun's option only
+
+
 def test_command_line():
     env = {"RECIPE": "my recipe", "HPCNFT_ARGS": "--steps 3", "HPCNFT_CMD": "hpcnft"}
     assert batch.command(env, SRUN, "/r") == ["hpcnft", "run", "my recipe", "--run-dir", "/r", "--steps", "3"]
