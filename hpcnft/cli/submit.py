@@ -14,7 +14,8 @@ from hpcnft.run.submit import CLUSTERS, prepare
 def add_arguments(name: str, p) -> None:
     add_run_arguments("run", p)
     p.add_argument("--cluster", default="slurm", help=f"{', '.join(CLUSTERS)} (debug: in this process)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", default="1", help="nodes: N, or MIN-MAX (Slurm allocates within the range, and a "
+                                                "requeued job may get another count: each must fit the layout)")
     p.add_argument("--tasks-per-node", type=int, default=3, help="ranks per node (default 3: 2 train + 1 reward)")
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--cpus-per-task", type=int, default=1)

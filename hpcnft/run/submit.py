@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -64,7 +65,7 @@ class HpcnftJob(submitit.helpers.Checkpointable):
         return code
 
 
-def executor_parameters(cluster: str, nodes: int, tasks_per_node: int, gpus_per_node: int, cpus_per_task: int,
+def executor_parameters(cluster: str, nodes: int | str, tasks_per_node: int, gpus_per_node: int, cpus_per_task: int,
                         timeout_min: int, partition: str | None, account: str | None,
                         mem_gb: float | None) -> dict:
     """submitit's AutoExecutor parameters: its generic ones, and Slurm's prefixed `slurm_`."""
@@ -193,8 +194,18 @@ def _missing(path: str) -> list[str]:
     return out
 
 
+def node_counts(nodes: int | str) -> range:
+    """`--nodes`: N, or a range MIN-MAX that Slurm may allocate (and a requeue may change)."""
+    text = str(nodes).strip()
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    low, high = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+    if not m or low < 1 or high < low:
+        raise UsageError(f"--nodes: expected a node count N or a range MIN-MAX (as sbatch's), got {text!r}")
+    return range(low, high + 1)
+
+
 def prepare(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | None = None,
-            run_dir: str | None = None, steps: int | None = None, nodes: int = 1, tasks_per_node: int = 3,
+            run_dir: str | None = None, steps: int | None = None, nodes: int | str = 1, tasks_per_node: int = 3,
             gpus_per_node: int = 0, cpus_per_task: int = 1, timeout_min: int = 60, partition: str | None = None,
             account: str | None = None, mem_gb: float | None = None, folder: str | None = None) -> Submission:
     """Check a submission without creating anything: the cluster, the config, the run dir (free,
@@ -202,7 +213,7 @@ def prepare(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] |
     requeue of the job writes to (and resumes from) the same one."""
     from hpcnft.algo.root_config import ConfigError, load_config
     from hpcnft.io.rundir_lock import check_free
-    from hpcnft.run.rundir import default_run_dir, preflight
+    from hpcnft.run.rundir import check_input, default_run_dir, preflight
 
     if cluster not in CLUSTERS:
         raise UsageError(f"--cluster: {cluster!r} is not one of {', '.join(CLUSTERS)}")
@@ -216,15 +227,23 @@ def prepare(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] |
         check_free(run_dir)  # a run dir in use is refused now, not when the job starts
     except OSError as e:
         raise UsageError(f"run dir {run_dir!r}: cannot read its lock file: {e.strerror or e}") from None
-    preflight(cfg, None if cluster == "debug" else nodes * tasks_per_node)
-    params = executor_parameters(cluster, nodes, tasks_per_node, gpus_per_node, cpus_per_task, timeout_min,
-                                 partition, account, mem_gb)
+    counts = node_counts(nodes)
+    if cluster != "debug":  # every allocation the range allows (a requeue may get another) must run
+        for n in counts[1:]:
+            try:
+                check_input(cfg, n * tasks_per_node)
+            except UsageError as e:
+                raise UsageError(f"--nodes {nodes}: on {n} nodes, {e}") from None
+    preflight(cfg, None if cluster == "debug" else counts[0] * tasks_per_node)
+    span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    params = executor_parameters(cluster, counts[0] if len(counts) == 1 else span, tasks_per_node, gpus_per_node,
+                                 cpus_per_task, timeout_min, partition, account, mem_gb)
     return Submission(recipe, overrides, run_dir, steps, cluster,
                       os.path.abspath(folder or os.path.join(run_dir, "submitit")), params)
 
 
 def submit(recipe: str = "tiny", cluster: str = "slurm", overrides: list[str] | None = None,
-           run_dir: str | None = None, steps: int | None = None, nodes: int = 1, tasks_per_node: int = 3,
+           run_dir: str | None = None, steps: int | None = None, nodes: int | str = 1, tasks_per_node: int = 3,
            gpus_per_node: int = 0, cpus_per_task: int = 1, timeout_min: int = 60, partition: str | None = None,
            account: str | None = None, mem_gb: float | None = None, folder: str | None = None):
     """Check and submit the job (`prepare`, then `Submission.submit`); returns the submitit Job."""

@@ -123,3 +123,19 @@ def test_the_dry_runs_script_is_the_one_submitit_submits(tmp_path):
     real = executor._executor._make_submission_file_text(executor._executor._submitit_command_str, "")
     assert planned.preview() == real
     assert "#SBATCH --mem=12800MB" in real.splitlines()
+
+
+def test_a_node_range_is_submitted_as_one_when_every_count_in_it_fits_the_layout(tmp_path):
+    from hpcnft.run.submit import node_counts, prepare
+
+    assert list(node_counts("2-4")) == [2, 3, 4] and list(node_counts(3)) == [3]
+    for bad in ("0", "3-2", "two", "1-", "-2"):
+        with pytest.raises(UsageError, match="--nodes: expected a node count N or a range MIN-MAX"):
+            node_counts(bad)
+    invariant = ["determinism.layout_invariant=true", "determinism.virtual_shards=4"]
+    sub = prepare("tiny", "slurm", invariant, str(tmp_path / "a"), nodes="2-3", tasks_per_node=1)
+    assert "#SBATCH --nodes=2-3" in sub.preview().splitlines()
+    # on 4 nodes: 3 train ranks, which neither the 16 samples nor the 4 shards split over
+    with pytest.raises(UsageError, match="--nodes 2-4: on 4 nodes, rollout: 16 samples per step do not split"):
+        prepare("tiny", "slurm", invariant, str(tmp_path / "b"), nodes="2-4", tasks_per_node=1)
+    assert os.listdir(tmp_path) == []
