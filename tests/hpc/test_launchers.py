@@ -4,7 +4,8 @@ compared bit for bit (every non-perf metric series) with a run of the local spaw
   1  sbatch slurm/sd3_pickscore.sbatch with the CPU override (--gpus-per-task=0)
   2  sbatch slurm/tiny.sbatch
   3  srun --mpi=pmix -n 3 (directly, srun makes its own allocation)
-  4  mpirun without Slurm, and mpirun inside an sbatch allocation (every rank: SLURM_PROCID=0)
+  4  mpirun without Slurm (and a run resumed by mpirun on other world sizes), and mpirun inside an
+     sbatch allocation (every rank: SLURM_PROCID=0)
   5  hpcnft submit --cluster slurm / --cluster local (submitit)
   6  scontrol requeue of a running job: requeued, resumed, identical to an uninterrupted run
   7  the time-limit signal (--signal=USR2@150): checkpoint, scontrol requeue, exit 75, resume
@@ -302,6 +303,24 @@ def test_mpirun_without_slurm_identical(mpi_available, ref3, tmp_path):
     assert code == 0, f"mpirun exited {code}:\n{out[-6000:]}\n{diagnose(run_dir)}"
     assert_same_metrics(ref3, str(run_dir))
     check_attempts(run_dir, [0], None, "openmpi")
+
+
+def test_mpirun_resumes_a_run_on_other_world_sizes_identical(mpi_available, tmp_path_factory, tmp_path):
+    """-np 3 (2+1) for step 1, -np 2 (1+1) for step 2, -np 5 (4+1) for step 3, under
+    determinism.layout_invariant: the local spawner's straight 2+1 run, bit for bit."""
+    invariant = ["determinism.layout_invariant=true", "checkpoint.every=1"]
+    ref = local_reference(tmp_path_factory, "mpirun-invariant", 3, invariant)
+    run_dir = tmp_path / "run"
+    for step, np_ in ((1, 3), (2, 2), (3, 5)):
+        code, out = run_cmd(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), PY, "-m", "hpcnft",
+                             "run", "tiny", "--steps", str(step), "--run-dir", run_dir, *set_args(invariant)],
+                            timeout=RUN_TIMEOUT, cwd=tmp_path, env=base_env(drop_slurm=True))
+        assert code == 0, f"mpirun -np {np_} exited {code}:\n{out[-6000:]}\n{diagnose(run_dir)}"
+    assert "resuming on another layout: 1 train + 1 reward ranks" in out
+    assert_same_metrics(ref, str(run_dir))
+    attempts = read_run(str(run_dir)).attempts
+    assert [(a["launcher"], a["world_size"], a["from_step"]) for a in attempts] == [
+        ("openmpi", 3, 0), ("openmpi", 2, 1), ("openmpi", 5, 2)], attempts
 
 
 MPIRUN_IN_SBATCH = """#!/bin/bash
