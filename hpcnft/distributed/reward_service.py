@@ -161,11 +161,25 @@ class DeviceImages:
         dist.recv(t, src, group=self.groups[src])
         return t
 
+    def connect(self, train_ranks: list[int], rank: int) -> None:
+        """One byte over each pair, at the start: NCCL joins a pair's two ranks on its first send
+        and receive, and the send blocks its host thread until the receive comes. Joined here,
+        in the train ranks' order, no send of the run waits for it."""
+        one = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        for t in train_ranks:
+            if t == rank:  # a train rank: its one reward rank
+                (peer, group), = self.groups.items()
+                dist.send(one, peer, group=group)
+            elif t in self.groups:  # a reward rank: each of its train ranks in turn
+                dist.recv(one, t, group=self.groups[t])
+
 
 def image_channel(topo) -> HostImages | DeviceImages:
     """The images' channel of this rank's reward traffic (layout.reward_transport, resolved)."""
     if topo.reward_transport == "nccl":
-        return DeviceImages(topo.pair_groups, topo.device)
+        channel = DeviceImages(topo.pair_groups, topo.device)
+        channel.connect(topo.train_ranks, topo.rank)
+        return channel
     return HostImages(topo.host_group)
 
 
@@ -205,8 +219,9 @@ class RemoteRewardClient:
         n, h, w, _ = images.shape
         header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64)
         idx = torch.tensor(indices, dtype=torch.int64)
+        works = [self._send(header, HEADER_TAG)]  # first: the reward rank posts the images' receive on it
         sent, imgs = self.images.isend(images, self.dst)
-        works = [self._send(header, HEADER_TAG), sent, self._send(idx, PAYLOAD_TAG)]
+        works += [sent, self._send(idx, PAYLOAD_TAG)]
         r_header = torch.zeros(REPLY_HEADER, dtype=torch.int64)
         scores = torch.zeros((n, self.columns[kind]), dtype=torch.float32)
         msg = torch.zeros(MSG_BYTES, dtype=torch.uint8)

@@ -47,6 +47,7 @@ def _service_rank(rank: int, port: int, results, channel: str) -> None:
     if channel == "pairs":  # =nccl's logic: the images on a communicator per pair (gloo on a CPU)
         topo = Topology(rank, 3, rank, [0, 1], [2], "local", "gloo", torch.device("cpu"))
         images_on = DeviceImages(pair_groups(topo, timeout, backend="gloo"), torch.device("cpu"))
+        images_on.connect([0, 1], rank)
     if rank == 2:
         results.put((2, serve([0, 1], host, _score, columns=COLUMNS, images=images_on)))
     else:
