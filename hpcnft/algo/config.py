@@ -114,3 +114,34 @@ class EvalConfig:
     ema_update_every: int = setting(1, "`eval.policy = \"ema\"`: the EMA moves after optimizer step k only where k + 1 "
                                        "is a multiple of this (the official EMAModuleWrapper's update_step_interval; "
                                        "Flow-GRPO's recipes: 8)", bound="> 0")
+
+
+GUARD_ACTIONS = ("warn", "stop")
+
+
+@dataclass
+class WatchConfig:
+    """`[watch]`: signs of reward hacking seen during the run (hpcnft.algo.watch computes them,
+    hpcnft.run.guard acts on them). Every key is off by default: a run without them writes the
+    same rows as before."""
+    diversity: bool = setting(False, "`rollout/diversity` every step: within each prompt's group, the mean "
+                                     "pairwise distance of its images (RMS over 32x32 thumbnails, 0..1); collapse to "
+                                     "one image drives it to 0", on_resume="free")
+    drift_sigmas: list[float] = setting(
+        [], "`eval/drift` at every evaluation: the mean squared difference between the evaluated policy's and the "
+        "base model's velocity at these noise levels (0 < sigma <= 1), on the evaluation's images and noise; with "
+        "LoRA also `eval/lora_norm`, the adapters' norm; empty: off", on_resume="free")
+    guard_metric: str = setting("", "an evaluation metric to guard (a held-out judge: `eval/<term>_mean` of an "
+                                    "`eval_only` term); empty: no guard", on_resume="free")
+    guard_drop: float = setting(0.0, "the guard fires at an evaluation where `guard_metric` is more than this below "
+                                     "its best while the trained reward (rollout/reward/raw_mean) is above its value "
+                                     "at that best", bound=">= 0", on_resume="free")
+    guard_action: str = setting("warn", "`warn`: a warning event and one line; `stop`: also checkpoint and stop "
+                                        "the run (exit 0)", choices=GUARD_ACTIONS, on_resume="free")
+
+    def check(self) -> None:
+        for s in self.drift_sigmas:
+            if not 0 < s <= 1:
+                raise ConfigError(f"watch.drift_sigmas: {s} is not a noise level in (0, 1]")
+        if self.guard_metric and not self.guard_metric.startswith("eval/"):
+            raise ConfigError(f"watch.guard_metric: {self.guard_metric!r} is not an evaluation metric (eval/...)")

@@ -19,6 +19,7 @@ from hpcnft.algo.reward import term_columns, training_reward
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.sampler import NoiseAhead, PromptEncoder, decode_to_uint8, grid_sample_ids, initial_noise
 from hpcnft.algo.virtual_shards import eval_parts, rollout_parts, shard_size
+from hpcnft.algo.watch import group_diversity, thumbnails, velocity_drift
 from hpcnft.distributed.groups import Topology
 from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RewardOutage
 from hpcnft.models.families import family_of
@@ -193,6 +194,8 @@ class Learner:
         mine = owned_range(cfg.samples_per_step, self.topo)
         ro = self.rollout(step)
         rewards = self.gather(ro.rewards.to(torch.float32))
+        diversity = group_diversity(self.gather(thumbnails(ro.images)), cfg.rollout.samples_per_prompt) \
+            if cfg.watch.diversity else None
         k = cfg.trained_steps
         batch = algorithm.train_batch(step, ro, rewards, self.step_prompts(step), mine)
         t_train = time.perf_counter()
@@ -209,6 +212,8 @@ class Learner:
                 metrics[f"rollout/reward/{term.name}/mean"] = scores[:, j].mean().item()
                 metrics[f"rollout/reward/{term.name}/std"] = scores[:, j].std(unbiased=False).item()
         metrics["ema/decay"] = decay
+        if diversity is not None:
+            metrics["rollout/diversity"] = diversity
         busy, idle = self.client.server_busy_s, self.client.server_idle_s  # the reward rank's totals
         metrics.update({
             "perf/rollout_s": ro.seconds, "perf/reward_s": busy - self._server_totals[0],
@@ -233,12 +238,16 @@ class Learner:
         else:
             parts = eval_chunks(n, self.topo, cfg.rollout.batch_size)
         self.encoder.prepare([self.eval_prompts[max(i, 0)] for chunk in parts for i in chunk])
+        drifts, norm = [], None  # watch.drift_sigmas: (prompt id, drift) of this rank's first chunk
         with self.policy.eval_weights():
-            for chunk in parts:
+            for c, chunk in enumerate(parts):
                 real = [i for i in chunk if i >= 0]
                 ids = [i if i >= 0 else 0 for i in chunk]
                 noise = initial_noise(self.latent_shape, cfg.eval.seed, 0, ids, "eval_noise")
-                x0, _ = self.models.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
+                x0, cond = self.models.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
+                if c == 0 and cfg.watch.drift_sigmas:  # every rank alike: FSDP2's forwards run in lockstep
+                    drifts = list(zip(real, self.drift(x0, noise, cond).tolist()))
+                    norm = self.adapter_norm()
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
                                              cfg.perf.vae_decode_batch)
@@ -254,4 +263,41 @@ class Learner:
         for j, term in enumerate(term_columns(cfg)["eval"]):
             out[f"eval/{term.name}_mean"] = scores[:, j].mean().item()
             out[f"eval/{term.name}_std"] = scores[:, j].std(unbiased=False).item()
+        if cfg.watch.drift_sigmas:
+            if self.group is not None:
+                dist.all_gather_object(everyone, drifts, group=self.group)
+                drifts = [x for part in everyone for x in part]
+            out["eval/drift"] = torch.tensor([d for _, d in sorted(drifts)], dtype=torch.float64).mean().item()
+            out["eval/lora_norm"] = norm
         return out
+
+    def drift(self, x0: torch.Tensor, noise: torch.Tensor, cond) -> torch.Tensor:
+        """Per sample, the mean over watch.drift_sigmas of the squared difference between the
+        evaluated policy's velocity and the base's (adapters off) at x_sigma = sigma noise +
+        (1 - sigma) x0: how far the policy has moved, on the evaluation's own images and noise."""
+        from hpcnft.algo.sampler import velocity
+
+        policy, cfg, dev = self.policy, self.cfg, self.policy.device
+        total = torch.zeros(x0.shape[0], dtype=torch.float64)
+        for s in cfg.watch.drift_sigmas:
+            sig = torch.full((x0.shape[0],), s, dtype=torch.float32, device=dev)
+            x = s * noise.to(dev, x0.dtype) + (1 - s) * x0
+            with torch.no_grad(), policy.autocast():
+                v = [velocity(policy.transformer, x, sig, cond.prompt_embeds, cond.pooled, policy.compute_dtype,
+                              self.models.integer_timesteps, cfg.rollout.guidance_scale)]
+                with policy.base_weights():
+                    v.append(velocity(policy.transformer, x, sig, cond.prompt_embeds, cond.pooled,
+                                      policy.compute_dtype, self.models.integer_timesteps, cfg.rollout.guidance_scale))
+            total += velocity_drift(*v).cpu()
+        return total / len(cfg.watch.drift_sigmas)
+
+    def adapter_norm(self) -> float:
+        """The evaluated adapters' L2 norm over every trained parameter (gathered whole where FSDP2
+        shards them: every train rank takes part)."""
+        from torch.distributed.tensor import DTensor
+
+        squares = torch.zeros((), dtype=torch.float64)
+        for p in self.policy.trainable:
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            squares += whole.detach().to(torch.float64).pow(2).sum().cpu()
+        return squares.sqrt().item()

@@ -24,7 +24,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from hpcnft.algo.config import AlgoConfig, EMAConfig, EvalConfig, OptimConfig, RolloutConfig, TrainConfig
+from hpcnft.algo.config import (AlgoConfig, EMAConfig, EvalConfig, OptimConfig, RolloutConfig, TrainConfig,
+                                WatchConfig)
 from hpcnft.algo.registry import spec_of, specs
 from hpcnft.common import config as machinery
 from hpcnft.common.config import DeterminismConfig, section, setting
@@ -52,6 +53,7 @@ class Config:
     optim: OptimConfig = section(OptimConfig)
     ema: EMAConfig = section(EMAConfig)
     eval: EvalConfig = section(EvalConfig)
+    watch: WatchConfig = section(WatchConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
     layout: LayoutConfig = section(LayoutConfig)
     determinism: DeterminismConfig = section(DeterminismConfig)
@@ -116,9 +118,26 @@ class Config:
         self.check_remote_wait()
         if self.determinism.layout_invariant:
             self.check_layout_invariant()
+        self.check_watched_metrics()
         if self.perf.fuse_qkv and self.train.finetune == "lora" and not self.perf.merge_lora_nograd:
             raise ConfigError("perf.fuse_qkv: with train.finetune=\"lora\" it needs perf.merge_lora_nograd=true "
                               "(the fused projections hold the merged weights)")
+
+    def check_watched_metrics(self) -> None:
+        """watch.guard_metric and checkpoint.keep_best name an evaluation metric this run writes:
+        eval/<term>_mean or _std of an evaluated term, or eval/drift."""
+        names = [t.name or t.kind for t in self.reward.terms] or ["pickscore"]  # every term is evaluated
+        written = {f"eval/{n}_{s}" for n in names for s in ("mean", "std")}
+        if self.watch.drift_sigmas:
+            written.add("eval/drift")
+        for key, value in (("watch.guard_metric", self.watch.guard_metric), ("checkpoint.keep_best",
+                                                                            self.checkpoint.keep_best)):
+            if value and value not in written:
+                raise ConfigError(f"{key}: {value!r} is not an evaluation metric of this run; it writes "
+                                  f"{', '.join(sorted(written))}")
+        if self.watch.drift_sigmas and self.train.finetune != "lora":
+            raise ConfigError("watch.drift_sigmas: measures the policy against the base with the adapters off; "
+                              "it needs train.finetune=\"lora\"")
 
     def check_layout_invariant(self) -> None:
         """What determinism.layout_invariant needs: LoRA (the shards' gradients are gathered whole),

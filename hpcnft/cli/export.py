@@ -29,10 +29,23 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("run", help="a run dir (or its run.h5)")
     p.add_argument("out", help="output folder (refused if it exists, unless --force)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+    p.add_argument("--checkpoint", choices=("latest", "best"), default="latest",
+                   help="`best`: the checkpoint checkpoint.keep_best kept (checkpoints/BEST), instead of --step")
     p.add_argument("--policy", choices=sorted(POLICIES), default=None, help=POLICY_HELP)
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it holds an earlier export (the new one is written beside it and "
                         "swapped in once complete, so a failed export leaves OUT as it was)")
+
+
+def best_step(run_dir: str) -> int:
+    """The step of the best checkpoint checkpoint.keep_best kept (one line when there is none)."""
+    from hpcnft.io.checkpoint_dirs import read_best
+
+    best = read_best(run_dir)
+    if best is None:
+        raise UsageError(f"{run_dir}: no best checkpoint (checkpoints/BEST; the run's checkpoint.keep_best names "
+                         f"the metric that keeps one)")
+    return best["step"]
 
 
 def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
@@ -115,7 +128,7 @@ def main(name: str, args) -> int:
     if why:
         raise UsageError(why)
     run_dir = os.path.dirname(args.run) if args.run.endswith(".h5") else args.run
-    step, path = find_checkpoint(run_dir, args.step)
+    step, path = find_checkpoint(run_dir, best_step(run_dir) if args.checkpoint == "best" else args.step)
 
     from safetensors import SafetensorError
 

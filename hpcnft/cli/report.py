@@ -164,7 +164,27 @@ def summary_lines(run: runfile.RunData) -> list[str]:
               for att in run.attempts]
     lines.append(f"events ({len(run.events)})")
     lines += [f"  step {e['step']:>6}  {_clock(e['time'])}  {e['kind']:<10} {e['text']}" for e in run.events]
-    return lines + [eval_policy_line(run.config)] + _metric_table(run.metrics)
+    return lines + [eval_policy_line(run.config), *watch_lines(run)] + _metric_table(run.metrics)
+
+
+def watch_lines(run: runfile.RunData) -> list[str]:
+    """The guard's state and the best checkpoint ([watch], checkpoint.keep_best), from the
+    config and the events: what a user checks for reward hacking first."""
+    config = run.config if isinstance(run.config, Mapping) else {}
+    watch = config.get("watch") if isinstance(config.get("watch"), Mapping) else {}
+    keep = config.get("checkpoint", {}).get("keep_best") if isinstance(config.get("checkpoint"), Mapping) else ""
+    lines = []
+    if watch.get("guard_metric"):
+        fired = [e for e in run.events if e["kind"] == "guard"]
+        state = (f"fired {len(fired)} time(s), last at step {fired[-1]['step']}: {fired[-1]['text']}" if fired
+                 else "quiet")
+        lines.append(f"guard on {watch['guard_metric']} (drop {watch.get('guard_drop')}, "
+                     f"{watch.get('guard_action')}): {state}")
+    if keep:
+        best = [e for e in run.events if e["kind"] == "best"]
+        lines.append(best[-1]["text"] + " (`hpcnft export --checkpoint best`)" if best
+                     else f"best checkpoint by {keep}: none yet")
+    return lines
 
 
 _EVAL_POLICIES = {"old": "pi_old, the EMA of theta the rollouts sample with",

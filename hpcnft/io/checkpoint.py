@@ -34,7 +34,8 @@ from hpcnft.common import determinism
 from hpcnft.common.errors import first_line, one_line
 from hpcnft.common.safe_pickle import AllowListUnpickler
 from hpcnft.io.checkpoint_dirs import (COMPLETE, STEP_DIR, checkpoint_root, file_problems,  # noqa: F401 (the
-                                       list_checkpoints, partial_dir, read_json, step_dir)  # checkpoint API)
+                                       list_checkpoints, partial_dir, prunable, read_best, read_json,  # checkpoint
+                                       step_dir, write_best)  # API)
 
 MODEL_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)  # frozen weights come from disk
@@ -270,9 +271,14 @@ def commit(run_dir: str, step: int, train_state: TrainState, config_json: str, k
         reason = _space_note(run_dir) + _reason(e)
         discard_partial(run_dir, step)
         raise CheckpointError(f"{tmp}: cannot write the checkpoint ({reason})") from None
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, keep)
     return final
+
+
+def prune(run_dir: str, keep: int) -> None:
+    """Delete the committed checkpoints beyond the newest `keep`, but the best (checkpoint.keep_best)."""
+    for old in prunable(run_dir, keep):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load(path: str, parts: dict, train_group) -> TrainState:

@@ -68,3 +68,30 @@ def newest_committed(run_dir: str) -> tuple[int, str] | None:
         if file_problems(path) is None:
             return step, path
     return None
+
+
+BEST = "BEST"  # checkpoints/BEST: checkpoint.keep_best's best checkpoint, {"step", "metric", "value"}
+
+
+def read_best(run_dir: str) -> dict | None:
+    """The best checkpoint's record (None: none was kept, or the record is unreadable)."""
+    try:
+        doc = read_json(checkpoint_root(run_dir), BEST)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
+
+
+def write_best(run_dir: str, step: int, metric: str, value: float) -> None:
+    """Name checkpoint `step` the best by `metric` (written whole, then renamed into place)."""
+    path = os.path.join(checkpoint_root(run_dir), BEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "metric": metric, "value": value}, f)
+    os.replace(path + ".tmp", path)
+
+
+def prunable(run_dir: str, keep: int) -> list[str]:
+    """The committed checkpoints pruning deletes: all but the newest `keep` and the best one."""
+    best = read_best(run_dir)
+    older = list_checkpoints(run_dir)[:-keep]
+    return [path for step, path in older if best is None or step != best["step"]]

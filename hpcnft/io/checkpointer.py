@@ -128,6 +128,12 @@ class Checkpointer:
             w.event(step, "checkpoint", final)
         return final
 
+    def mark_best(self, step: int, metric: str, value: float) -> None:
+        """Rank 0, checkpoint `step` committed: it is the best by `metric` (checkpoint.keep_best),
+        kept beside the newest ones; the best before it is pruned as any older checkpoint."""
+        checkpoint.write_best(self.run_dir, step, metric, value)
+        checkpoint.prune(self.run_dir, self.schedule.keep)
+
     # -- load -------------------------------------------------------------------------
     def load(self, plan, on_loaded: Callable[[int, str], None] | None = None) -> Resumed:
         """Collective over the train ranks: load the checkpoint of `plan` (run.resume's

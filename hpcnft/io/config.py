@@ -32,6 +32,9 @@ class CheckpointConfig:
                          on_resume="free")
     keep: int = setting(2, "the newest checkpoints kept (older ones are deleted)", bound="> 0", on_resume="free")
     at_end: bool = setting(True, "a checkpoint at the last step", on_resume="free")
+    keep_best: str = setting("", "an evaluation metric (higher is better, e.g. a held-out judge's "
+                                 "`eval/<term>_mean`): a new best checkpoints its step and keeps it beside the newest "
+                                 "ones (`hpcnft export --checkpoint best`); empty: off", on_resume="free")
 
 
 @dataclass

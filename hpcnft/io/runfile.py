@@ -64,8 +64,14 @@ def reward_term_keys(rollout_terms: list[str], eval_terms: list[str]) -> list[st
     return [k for k in keys if k not in ALL_KEYS]
 
 
+def watch_keys(diversity: bool, drift: bool) -> list[str]:
+    """The metric keys of [watch]'s measures a run has on: the rollout's diversity every step,
+    the evaluation's drift from the base and the adapters' norm."""
+    return (["rollout/diversity"] if diversity else []) + (["eval/drift", "eval/lora_norm"] if drift else [])
+
+
 EVENT_KINDS = ("start", "resume", "layout", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval",
-               "warning")
+               "warning", "guard", "best")
 EVENT_DTYPE = np.dtype([("step", "<i8"), ("time", "<f8"), ("kind", "S16"), ("text", "S1024")])
 
 

@@ -24,6 +24,7 @@ from hpcnft.io.trackers import TrackerGroup
 from hpcnft.rewards.registry import training_terms
 from hpcnft.run.output import (claim_first_failure, eval_line, fail_line, log, pass_line, print_err, progress_line,
                                reward_header, save_grid)
+from hpcnft.run.guard import Guard, Verdict
 from hpcnft.run.resume import ResumePlan, layout_change
 from hpcnft.run.rundir import finished_line
 from hpcnft.run.train_rank import build_train_rank
@@ -47,6 +48,8 @@ class TrainJob:
                                          Schedule(c.every, c.at_end, c.keep),
                                          parts=checkpoint_parts(tr.policy, tr.trainer.optimizer),
                                          scaler=tr.trainer.scaler, peers=tr.client.snapshot)
+        w = cfg.watch  # the guard and the best checkpoint, from the evaluations' metrics
+        self.guard = Guard(w.guard_metric, w.guard_drop, c.keep_best) if w.guard_metric or c.keep_best else None
         self.writer = None
         self.warnings: list[str] = []
         self.resumed_from = self.rebuilt = ""  # the checkpoint loaded; rank 0: the warning that run.h5 was rebuilt
@@ -83,12 +86,13 @@ class TrainJob:
 
     def open_run_file(self, start_step: int) -> None:
         from hpcnft.io.run_writer import RunFileWriter
-        from hpcnft.io.runfile import EVAL_KEYS, reward_term_keys
+        from hpcnft.io.runfile import EVAL_KEYS, reward_term_keys, watch_keys
 
         cfg, topo = self.cfg, self.topo
         cols = term_columns(cfg)
         term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
                                      [t.name for t in cols["eval"]])
+        term_keys += watch_keys(cfg.watch.diversity, bool(cfg.watch.drift_sigmas))
         spec = self.tr.algorithm.spec  # its train keys, its loss first, beside the shared keys
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         (*spec.metric_keys, *term_keys), loss_key=spec.loss_key)
@@ -204,9 +208,44 @@ class TrainJob:
             if self.writer:
                 self.say_lines(self.learning_lines(0, before))
         self.saved_step = start_step
+        if self.guard is not None and start_step:
+            self.replay_guard(start_step)
         if self.evaluation_owed(start_step):  # its reward service was down when it was due
             self.log_row(start_step, self.tr.evaluate())
         return start_step
+
+    def replay_guard(self, start_step: int) -> None:
+        """Every train rank: the guard's state as the evaluations in run.h5 up to `start_step`
+        left it (rank 0 reads them), so that a resumed run decides as the uninterrupted one."""
+        rows = [self.writer.rows_between(-1, start_step) if self.writer else None]
+        if self.group is not None:
+            dist.broadcast_object_list(rows, src=self.topo.train_ranks[0], group=self.group)
+        self.guard.replay(rows[0] or {})
+
+    def watch(self, step: int, verdict: Verdict, saved: bool) -> None:
+        """Rank 0: a new best (its checkpoint, written at this step, named in checkpoints/BEST)
+        and the guard's verdict, as events and lines."""
+        if not self.writer:
+            return
+        c = self.cfg.checkpoint
+        if verdict.new_best and saved:
+            value = self.guard.kept.value
+            self.checkpointer.mark_best(step, c.keep_best, value)
+            self.writer.event(step, "best", f"best checkpoint by {c.keep_best}: step {step} ({value:.6g})")
+        if verdict.fired:
+            self.writer.event(step, "guard", verdict.text)
+            print_err(verdict.text)
+
+    def guard_stop(self, step: int) -> int:
+        """Every train rank: the guard's stop, after its checkpoint; the reward rank is told the
+        run ended (not preempted: nothing requeues it)."""
+        self.tr.client.finish(step)
+        if self.writer:
+            self.writer.event(step, "done", f"stopped by the guard at step {step}")
+        if self.topo.rank == 0:
+            then = f"; `{self.resume_command}` goes on" if self.resume_command else ""
+            print(f"hpcnft: stopped by the guard at step {step}: checkpointed{then}", flush=True)
+        return EXIT_OK
 
     def eval_due(self, step: int) -> bool:
         cfg = self.cfg
@@ -301,13 +340,18 @@ class TrainJob:
             if lost is not None:
                 return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")
             stop = self.stop_requested()
-            if self.checkpointer.due(step, cfg.steps) or stop:
+            verdict = self.guard.observe(step, metrics) if self.guard is not None else Verdict()
+            halt = verdict.fired and cfg.watch.guard_action == "stop"
+            if self.checkpointer.due(step, cfg.steps) or stop or verdict.new_best or halt:
                 t_save = time.perf_counter()
                 saved = self.checkpointer.save(step)
                 if saved:  # rank 0: what a checkpoint of this run costs, for the log
                     log.info("checkpoint of step %d: %.1f MiB in %.2f s", step, folder_bytes(saved) / 2**20,
                              time.perf_counter() - t_save)
                 self.saved_step = step
+            self.watch(step, verdict, self.saved_step == step)
+            if halt and step < cfg.steps:
+                return self.guard_stop(step)
             if stop and step < cfg.steps:
                 return self.preempted(step)
         tr.client.finish(cfg.steps)
