@@ -33,15 +33,18 @@ REWARD_KEY = "rollout/reward/raw_mean"
 TRAIN_PLOT_KEYS = list(dict.fromkeys([*(s.loss_key for s in specs()), *(k for s in specs() for k in s.plot_keys)]))
 TIME_KEY = "perf/iteration_s"  # --x time: the seconds of each step's iteration, summed
 X_AXES = ("step", "time", "both")
-DEFAULT_KEYS_TEXT = f"{REWARD_KEY}, each eval/*_mean beside it, {', '.join(TRAIN_PLOT_KEYS)}"
+WATCH_PLOT_KEYS = ["eval/drift", "rollout/diversity"]  # [watch]'s signs of reward hacking, where measured
+DEFAULT_KEYS_TEXT = (f"{REWARD_KEY}, each eval/*_mean beside it (the held-out judges too), "
+                     f"{', '.join(WATCH_PLOT_KEYS)}, {', '.join(TRAIN_PLOT_KEYS)}")
 
 
 def default_keys(has_rows: set[str]) -> list[str]:
     """The rollout reward, then each evaluation mean (eval/<term>_mean, PickScore first) so that
-    the first sits beside it in the two-column grid, then the training curves; those with rows."""
+    the first sits beside it in the two-column grid, then [watch]'s drift and diversity, then the
+    training curves; those with rows."""
     evals = sorted((k for k in has_rows if k.startswith("eval/") and k.endswith("_mean")),
                    key=lambda k: (k != "eval/pickscore_mean", k))
-    return [k for k in [REWARD_KEY, *evals, *TRAIN_PLOT_KEYS] if k in has_rows]
+    return [k for k in [REWARD_KEY, *evals, *WATCH_PLOT_KEYS, *TRAIN_PLOT_KEYS] if k in has_rows]
 
 
 def _pyplot():

@@ -211,6 +211,10 @@ def test_the_default_panels_put_each_evaluation_mean_beside_the_rollout_reward()
     plt.close(fig)
     assert plots.default_keys({"rollout/reward/raw_mean", "train/nft_loss"}) == ["rollout/reward/raw_mean",
                                                                                   "train/nft_loss"]
+    # [watch]'s measures after the judges, where the run has them
+    assert plots.default_keys({"rollout/reward/raw_mean", "eval/judge_mean", "rollout/diversity", "eval/drift",
+                               "eval/lora_norm", "train/nft_loss"}) == [
+        "rollout/reward/raw_mean", "eval/judge_mean", "eval/drift", "rollout/diversity", "train/nft_loss"]
 
 
 # -- --x time|both: against seconds of training ------------------------------------------------
