@@ -129,8 +129,9 @@ class WatchConfig:
                                      "one image drives it to 0", on_resume="free")
     drift_sigmas: list[float] = setting(
         [], "`eval/drift` at every evaluation: the mean squared difference between the evaluated policy's and the "
-        "base model's velocity at these noise levels (0 < sigma <= 1), on the evaluation's images and noise; with "
-        "LoRA also `eval/lora_norm`, the adapters' norm; empty: off", on_resume="free")
+        "base model's velocity at these noise levels (0 < sigma <= 1), on the evaluation's images and noise (a full "
+        "fine-tune keeps a copy of its base on the host for it); with LoRA also `eval/lora_norm`, the adapters' "
+        "norm; empty: off", on_resume="free")
     guard_metric: str = setting("", "an evaluation metric to guard (a held-out judge: `eval/<term>_mean` of an "
                                     "`eval_only` term); empty: no guard", on_resume="free")
     guard_drop: float = setting(0.0, "the guard fires at an evaluation where `guard_metric` is more than this below "

@@ -247,7 +247,7 @@ class Learner:
                 x0, cond = self.models.generate([self.eval_prompts[i] for i in ids], self.eval_sigmas, noise, "euler")
                 if c == 0 and cfg.watch.drift_sigmas:  # every rank alike: FSDP2's forwards run in lockstep
                     drifts = list(zip(real, self.drift(x0, noise, cond).tolist()))
-                    norm = self.adapter_norm()
+                    norm = self.adapter_norm() if cfg.train.finetune == "lora" else None
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
                                              cfg.perf.vae_decode_batch)
@@ -268,7 +268,8 @@ class Learner:
                 dist.all_gather_object(everyone, drifts, group=self.group)
                 drifts = [x for part in everyone for x in part]
             out["eval/drift"] = torch.tensor([d for _, d in sorted(drifts)], dtype=torch.float64).mean().item()
-            out["eval/lora_norm"] = norm
+            if norm is not None:
+                out["eval/lora_norm"] = norm
         return out
 
     def drift(self, x0: torch.Tensor, noise: torch.Tensor, cond) -> torch.Tensor:

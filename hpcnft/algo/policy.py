@@ -48,6 +48,10 @@ class Policy:
         # eval.policy="ema": a second EMA of theta that only the evaluation uses (official recipe)
         self.eval_shadow = ([local_shard(p).detach().clone() for p in self.trainable]
                             if cfg.eval.policy == "ema" else None)
+        # a full fine-tune's base, for watch.drift_sigmas (LoRA's base is its adapters turned off):
+        # the weights as loaded, on the host, this rank's shards
+        self.base_copy = ([local_shard(p).detach().to("cpu", copy=True) for p in self.trainable]
+                          if cfg.train.finetune == "full" and cfg.watch.drift_sigmas else None)
 
     def _prepare(self, mesh) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -136,7 +140,12 @@ class Policy:
 
     @contextlib.contextmanager
     def base_weights(self):
-        """The frozen base model (LoRA adapters off), for the KL reference."""
+        """The frozen base model: LoRA's adapters off (the KL reference, the drift), or a full
+        fine-tune's weights as loaded (the drift)."""
+        if self.base_copy is not None:
+            with self._swapped_in(self.base_copy, None):
+                yield
+            return
         self.transformer.disable_adapters()
         try:
             yield

@@ -135,9 +135,6 @@ class Config:
             if value and value not in written:
                 raise ConfigError(f"{key}: {value!r} is not an evaluation metric of this run; it writes "
                                   f"{', '.join(sorted(written))}")
-        if self.watch.drift_sigmas and self.train.finetune != "lora":
-            raise ConfigError("watch.drift_sigmas: measures the policy against the base with the adapters off; "
-                              "it needs train.finetune=\"lora\"")
 
     def check_layout_invariant(self) -> None:
         """What determinism.layout_invariant needs: LoRA (the shards' gradients are gathered whole),

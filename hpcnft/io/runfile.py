@@ -64,10 +64,11 @@ def reward_term_keys(rollout_terms: list[str], eval_terms: list[str]) -> list[st
     return [k for k in keys if k not in ALL_KEYS]
 
 
-def watch_keys(diversity: bool, drift: bool) -> list[str]:
+def watch_keys(diversity: bool, drift: bool, lora: bool) -> list[str]:
     """The metric keys of [watch]'s measures a run has on: the rollout's diversity every step,
-    the evaluation's drift from the base and the adapters' norm."""
-    return (["rollout/diversity"] if diversity else []) + (["eval/drift", "eval/lora_norm"] if drift else [])
+    the evaluation's drift from the base and (LoRA) the adapters' norm."""
+    return (["rollout/diversity"] if diversity else []) + (["eval/drift"] if drift else []) + \
+        (["eval/lora_norm"] if drift and lora else [])
 
 
 EVENT_KINDS = ("start", "resume", "layout", "checkpoint", "signal", "requeue", "error", "truncate", "done", "eval",

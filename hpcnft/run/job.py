@@ -92,7 +92,7 @@ class TrainJob:
         cols = term_columns(cfg)
         term_keys = reward_term_keys([t.name for t in cols["rollout"]] if cfg.reward.terms else [],
                                      [t.name for t in cols["eval"]])
-        term_keys += watch_keys(cfg.watch.diversity, bool(cfg.watch.drift_sigmas))
+        term_keys += watch_keys(cfg.watch.diversity, bool(cfg.watch.drift_sigmas), cfg.train.finetune == "lora")
         spec = self.tr.algorithm.spec  # its train keys, its loss first, beside the shared keys
         w = self.writer = RunFileWriter(os.path.join(cfg.run_dir, "run.h5"), cfg.to_json(), __version__,
                                         (*spec.metric_keys, *term_keys), loss_key=spec.loss_key)
