@@ -41,9 +41,12 @@ class Guard:
         self.best, self.kept = Best(), Best()
 
     def observe(self, step: int, metrics: dict) -> Verdict:
+        """One step's verdict from its metrics (eval/* only where it evaluated). Step 0, the base's
+        evaluation (eval.at_start), counts for the guard's best, not for the best checkpoint (there
+        is no checkpoint of step 0)."""
         verdict = Verdict()
         reward = metrics.get(TRAINED, 0.0)
-        if self.keep_best and self.keep_best in metrics:
+        if self.keep_best and self.keep_best in metrics and step > 0:
             verdict.new_best = self.kept.offer(step, metrics[self.keep_best], reward)
         if not self.metric or self.metric not in metrics:
             return verdict

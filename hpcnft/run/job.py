@@ -205,6 +205,8 @@ class TrainJob:
         if cfg.eval.at_start and start_step == 0:
             before = self.tr.evaluate()
             self.log_row(0, before)
+            if self.guard is not None:  # the base's judgement: often the judge's best
+                self.guard.observe(0, before)
             if self.writer:
                 self.say_lines(self.learning_lines(0, before))
         self.saved_step = start_step

@@ -66,6 +66,9 @@ def test_the_best_is_where_the_kept_metric_is_highest_and_a_replay_restores_it()
     again.replay(dict(rows((1, 0.2, 0), (2, 0.5, 0), (3, 0.4, 0))))
     assert (again.kept.step, again.kept.value) == (2, 0.5)
     assert not again.observe(4, {"eval/judge_mean": 0.45}).new_best  # the resumed run decides as the whole one
+    base = Guard("eval/judge_mean", 0.1, "eval/judge_mean")  # eval.at_start: step 0 is the base's evaluation
+    assert not base.observe(0, {"eval/judge_mean": 0.9}).new_best  # no checkpoint of step 0 to keep
+    assert base.observe(1, {"eval/judge_mean": 0.7, "rollout/reward/raw_mean": 0.2}).fired  # below the base's 0.9
 
 
 def test_pruning_keeps_the_best_checkpoint_beside_the_newest(tmp_path):
