@@ -11,12 +11,13 @@ TRAINED = "rollout/reward/raw_mean"  # the trained reward the guard compares
 
 @dataclass
 class Best:
-    """The best value of a metric so far, its step, and the trained reward at that step."""
+    """The best value of a metric so far, its step, and the trained reward at that step (None at
+    the base's evaluation, step 0: then the first trained reward the run has)."""
     value: float | None = None
     step: int = 0
-    reward: float = 0.0
+    reward: float | None = None
 
-    def offer(self, step: int, value: float, reward: float) -> bool:
+    def offer(self, step: int, value: float, reward: float | None) -> bool:
         """Take (step, value) if it beats the best (higher is better); whether it did."""
         if self.value is None or value > self.value:
             self.value, self.step, self.reward = value, step, reward
@@ -45,13 +46,15 @@ class Guard:
         evaluation (eval.at_start), counts for the guard's best, not for the best checkpoint (there
         is no checkpoint of step 0)."""
         verdict = Verdict()
-        reward = metrics.get(TRAINED, 0.0)
+        reward = metrics.get(TRAINED)
+        if self.best.value is not None and self.best.reward is None:
+            self.best.reward = reward  # a best at step 0: the reward to beat is the first one trained
         if self.keep_best and self.keep_best in metrics and step > 0:
             verdict.new_best = self.kept.offer(step, metrics[self.keep_best], reward)
         if not self.metric or self.metric not in metrics:
             return verdict
         value = metrics[self.metric]
-        if self.best.offer(step, value, reward):
+        if self.best.offer(step, value, reward) or reward is None or self.best.reward is None:
             return verdict
         fell, rose = self.best.value - value, reward - self.best.reward
         if fell > self.drop and rose > 0:
@@ -62,7 +65,7 @@ class Guard:
         return verdict
 
     def replay(self, rows: dict[int, dict]) -> None:
-        """The state after the evaluations of `rows` (run.h5's rows by step, in step order)."""
+        """The state after `rows` (run.h5's rows by step), observed in step order as the run
+        observed them."""
         for step in sorted(rows):
-            if any(k.startswith("eval/") for k in rows[step]):
-                self.observe(step, rows[step])
+            self.observe(step, rows[step])

@@ -68,7 +68,9 @@ def test_the_best_is_where_the_kept_metric_is_highest_and_a_replay_restores_it()
     assert not again.observe(4, {"eval/judge_mean": 0.45}).new_best  # the resumed run decides as the whole one
     base = Guard("eval/judge_mean", 0.1, "eval/judge_mean")  # eval.at_start: step 0 is the base's evaluation
     assert not base.observe(0, {"eval/judge_mean": 0.9}).new_best  # no checkpoint of step 0 to keep
-    assert base.observe(1, {"eval/judge_mean": 0.7, "rollout/reward/raw_mean": 0.2}).fired  # below the base's 0.9
+    # the base's best is beaten by no trained reward until there is one: step 1's is the one to beat
+    assert not base.observe(1, {"eval/judge_mean": 0.7, "rollout/reward/raw_mean": -4.0}).fired
+    assert base.observe(2, {"eval/judge_mean": 0.7, "rollout/reward/raw_mean": -3.9}).fired  # 0.2 below the base
 
 
 def test_pruning_keeps_the_best_checkpoint_beside_the_newest(tmp_path):
