@@ -239,6 +239,7 @@ class Learner:
             parts = eval_chunks(n, self.topo, cfg.rollout.batch_size)
         self.encoder.prepare([self.eval_prompts[max(i, 0)] for chunk in parts for i in chunk])
         drifts, norm = [], None  # watch.drift_sigmas: (prompt id, drift) of this rank's first chunk
+        # (every rank computes its own, as FSDP2's forwards run in lockstep; train rank 0's counts)
         with self.policy.eval_weights():
             for c, chunk in enumerate(parts):
                 real = [i for i in chunk if i >= 0]
@@ -263,10 +264,11 @@ class Learner:
         for j, term in enumerate(term_columns(cfg)["eval"]):
             out[f"eval/{term.name}_mean"] = scores[:, j].mean().item()
             out[f"eval/{term.name}_std"] = scores[:, j].std(unbiased=False).item()
-        if cfg.watch.drift_sigmas:
+        if cfg.watch.drift_sigmas:  # train rank 0's first chunk: the same prompts whatever the layout
             if self.group is not None:
-                dist.all_gather_object(everyone, drifts, group=self.group)
-                drifts = [x for part in everyone for x in part]
+                box = [drifts]
+                dist.broadcast_object_list(box, src=self.topo.train_ranks[0], group=self.group)
+                drifts = box[0]
             out["eval/drift"] = torch.tensor([d for _, d in sorted(drifts)], dtype=torch.float64).mean().item()
             if norm is not None:
                 out["eval/lora_norm"] = norm
