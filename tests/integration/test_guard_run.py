@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jobs import hpcnft
+from jobs import assert_same_metrics, hpcnft
 from hpcnft.io.checkpoint_dirs import list_checkpoints, read_best
 from hpcnft.io.runfile import read_run
 from hpcnft.rewards.http_server import ScoringServer, serve_in_thread
@@ -68,3 +68,15 @@ def test_a_hacked_run_is_stopped_by_the_guard_and_its_best_checkpoint_is_kept(ju
     assert "best checkpoint by eval/judge_mean: step 1" in show
     exported = hpcnft("export", run_dir, out, "--checkpoint", "best").stdout
     assert "checkpoints/step_000001 (step 1)" in exported
+
+
+def test_the_watchs_metrics_are_the_same_bits_in_two_runs(tmp_path):
+    """Diversity every step, drift and the adapters' norm at every evaluation: nothing random
+    drawn, no order that varies, so two runs of one config write the same rows."""
+    sets = ["--set", "watch.diversity=true", "--set", "watch.drift_sigmas=[0.3,0.8]", "--set", "eval.every=1"]
+    runs = [str(tmp_path / name) for name in ("a", "b")]
+    for run_dir in runs:
+        hpcnft("run", "tiny", "--steps", "2", "--run-dir", run_dir, *sets)
+    assert_same_metrics(*runs)
+    metrics = read_run(runs[0]).metrics
+    assert [len(metrics[k]) for k in ("rollout/diversity", "eval/drift", "eval/lora_norm")] == [2, 2, 2]

@@ -110,11 +110,12 @@ def test_emulated_hosts_are_distinct_per_rank():
     assert len({env["NCCL_HOSTID"] for env in envs}) == 3
 
 
-@pytest.mark.parametrize("over", [["layout.emulate_hosts=true", "layout.backend=gloo"],
-                                  ["layout.emulate_hosts=true", "layout.device=cpu"]])
-def test_emulated_hosts_without_nccl_are_refused_by_the_config(over):
-    with pytest.raises(ConfigError, match="layout.emulate_hosts"):
-        load_config("tiny", over)
+@pytest.mark.parametrize("key", ["layout.emulate_hosts", "layout.reward_transport"])
+@pytest.mark.parametrize("without", ["layout.backend=gloo", "layout.device=cpu"])
+def test_what_needs_nccl_is_refused_by_the_config_without_it(key, without):
+    on = "true" if key == "layout.emulate_hosts" else "nccl"
+    with pytest.raises(ConfigError, match=key):
+        load_config("tiny", [f"{key}={on}", without])
 
 
 def test_emulated_hosts_on_a_cpu_device_are_refused_when_the_backend_is_chosen():
@@ -195,13 +196,6 @@ def test_a_chunks_warnings_fit_one_reply_and_say_how_many_did_not():
     text = warnings_msg(many)
     assert len(text.encode()) <= MSG_BYTES
     assert text.split("\n")[:3] == many[:3] and text.endswith("... and 3 more (the reward rank's log has every one)")
-
-
-@pytest.mark.parametrize("over", [["layout.reward_transport=nccl", "layout.backend=gloo"],
-                                  ["layout.reward_transport=nccl", "layout.device=cpu"]])
-def test_images_over_nccl_without_nccl_are_refused_by_the_config(over):
-    with pytest.raises(ConfigError, match="layout.reward_transport"):
-        load_config("tiny", over)
 
 
 def test_images_over_nccl_are_refused_where_the_backend_is_gloo_and_auto_is_gloo():
