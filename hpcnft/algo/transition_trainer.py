@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hpcnft.algo import sde_policy as sde
 from hpcnft.algo.sampler import Conditioning, guided_velocity
 from hpcnft.algo.train_base import TrainerBase
+from hpcnft.algo.virtual_shards import ShardGradients, shard_size, sum_over_shards
 from hpcnft.distributed.groups import collective_device
 from hpcnft.perf.mfu import span
 
@@ -105,34 +106,56 @@ class TransitionTrainer(TrainerBase):
         k = batch.old_log_probs.shape[1]  # the transitions each sample trains
         update = sde.update_of(batch.sample_ids, g.updates_per_step, cfg.train.seed, step)
         kept = batch.kept_per_update or [batch.n_global_samples // g.updates_per_step] * g.updates_per_step
-        dev_sums = torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=self.policy.device)
-        host_sums = torch.zeros(len(self.HOST_SUMS), dtype=torch.float64)
+        # this rank's samples by virtual shard (determinism.layout_invariant), or all in one group
+        invariant = cfg.determinism.layout_invariant
+        per_shard = shard_size(cfg.samples_per_step, cfg.determinism.virtual_shards)
+        shard_of = [sid // per_shard for sid in batch.sample_ids] if invariant else [0] * len(batch.sample_ids)
+        shards = sorted(set(shard_of))
+        dev_sums = {s: torch.zeros(len(self.DEVICE_SUMS), dtype=torch.float64, device=self.policy.device)
+                    for s in shards}
+        host_sums = {s: torch.zeros(len(self.HOST_SUMS), dtype=torch.float64) for s in shards}
         norms, skipped, scale = [], 0, self.scaler.scale
         for u in range(g.updates_per_step):
             if not kept[u] or not k:  # nothing to train (no advantage, no transition): every rank leaves it out
                 skipped += 1
                 continue
-            # the gradient of the mean over the update's pairs on all ranks: FSDP averages over the ranks
-            loss_norm = self.num_train_ranks / (kept[u] * k)
-            pairs = [(p, j) for p in range(len(update)) if update[p] == u for j in range(k)]
-            with span("train/inputs"):
-                mbs = [self.inputs(batch, sigmas, mb) for mb in self.micro_batches(pairs, cfg.train.micro_batch)]
+            # the gradient of the mean over the update's pairs on all ranks: FSDP averages over the
+            # ranks, the shards' sum (layout_invariant) does not
+            loss_norm = (1 if invariant else self.num_train_ranks) / (kept[u] * k)
+            bank = ShardGradients(self.policy.trainable, self.group) if invariant else None
             self.optimizer.zero_grad(set_to_none=True)
             scale = self.scaler.scale
-            for m in mbs:
-                with span("train/micro_batch"):
-                    dev_part, host_part = self.micro_batch(batch, m, loss_norm, scale)
-                dev_sums += dev_part
-                host_sums += host_part
+            for s in shards:
+                pairs = [(p, j) for p in range(len(update)) if update[p] == u and shard_of[p] == s for j in range(k)]
+                with span("train/inputs"):
+                    mbs = [self.inputs(batch, sigmas, mb) for mb in self.micro_batches(pairs, cfg.train.micro_batch)]
+                for m in mbs:
+                    with span("train/micro_batch"):
+                        dev_part, host_part = self.micro_batch(batch, m, loss_norm, scale)
+                    dev_sums[s] += dev_part
+                    host_sums[s] += host_part
+                if bank is not None:
+                    bank.take(torch.zeros(0))
+            if bank is not None:  # the update's gradient: every shard's, summed in shard order
+                bank.sum_into_grads(self._comm_device())
             with span("train/optimizer"):
                 norm, skip = self._optimizer_step((step - 1) * g.updates_per_step + u + 1)
             norms.append(norm)
             skipped += skip
-        sums = torch.cat([dev_sums.cpu(), host_sums])
-        if self.group is not None:
-            sums = sums.to(collective_device(dist.get_backend(self.group), self.policy.device))
-            dist.all_reduce(sums, group=self.group)
-        return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, sums.tolist())), norms, skipped, scale, k)
+        rows = torch.stack([torch.cat([dev_sums[s].cpu(), host_sums[s]]) for s in shards])
+        if invariant:  # the step's metric sums: every shard's, in shard order
+            total = sum_over_shards(rows, self.group, self._comm_device()).cpu()
+        else:
+            total = rows[0]
+            if self.group is not None:
+                total = total.to(self._comm_device())
+                dist.all_reduce(total, group=self.group)
+        return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, total.tolist())), norms, skipped, scale, k)
+
+    def _comm_device(self) -> torch.device:
+        if self.group is None:
+            return self.policy.device
+        return collective_device(dist.get_backend(self.group), self.policy.device)
 
     def micro_batch(self, batch: SDEBatch, m: TransitionBatch, loss_norm: float, scale: float):
         """KL reference, trained forward, loss and backward of one micro-batch (gradients

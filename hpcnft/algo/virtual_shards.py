@@ -72,6 +72,18 @@ def ordered_sum(rows: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def sum_over_shards(rows: torch.Tensor, group, comm_device: torch.device) -> torch.Tensor:
+    """Every train rank's `rows` (one per shard of its own, in order) gathered in rank order, which
+    is shard order, and summed in that order; on `comm_device` (where the group's collectives take
+    their tensors)."""
+    local = rows.to(comm_device).contiguous()
+    if group is not None:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        local = torch.cat(parts)
+    return ordered_sum(local)
+
+
 class ShardGradients:
     """The step's gradient from its shards: `take()` after each of this rank's shards' backwards
     keeps the shard's gradient (flattened) and clears it; `sum_into_grads()` gathers every train
@@ -92,19 +104,12 @@ class ShardGradients:
         for p in self.params:
             p.grad = None
 
-    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return local
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)
-
     def sum_into_grads(self, comm_device: torch.device) -> torch.Tensor:
         """Set the parameters' gradients to the sum of every shard's; returns the shards' metric
         sums, summed in shard order (on the host). `comm_device`: where the group's collectives
         take their tensors."""
-        grads = ordered_sum(self._gathered(torch.stack(self.grads).to(comm_device)))
-        sums = ordered_sum(self._gathered(torch.stack(self.sums).to(comm_device))).cpu()
+        grads = sum_over_shards(torch.stack(self.grads), self.group, comm_device)
+        sums = sum_over_shards(torch.stack(self.sums), self.group, comm_device).cpu()
         offset = 0
         for p in self.params:
             p.grad = grads[offset:offset + p.numel()].view_as(p).to(p.device, copy=True)

@@ -252,6 +252,6 @@ class DeterminismConfig:
     layout_invariant: bool = setting(
         False, "results that do not depend on the number of train ranks: a step's samples in "
         "`determinism.virtual_shards` fixed shards, each sampled in its own batches and trained at `train.micro_batch`, "
-        "the shards' gradients gathered and summed in a fixed order (LoRA, DiffusionNFT; docs/determinism.md)")
+        "the shards' gradients gathered and summed in a fixed order (LoRA; docs/determinism.md)")
     virtual_shards: int = setting(8, "`determinism.layout_invariant`: the fixed shards of a step's samples; the number "
                                      "of train ranks must divide it", bound="> 0")

@@ -1,6 +1,7 @@
 """determinism.layout_invariant on the tiny recipe (gloo on the CPU): runs on 1 and 2 train
 ranks, and a run of 2+1 ranks resumed as 4+1, then 1+1, then 2+2, all bit-identical to the run
-straight on 2+1; without the mode the layouts differ (the reason the mode exists)."""
+straight on 2+1; without the mode the layouts differ (the reason the mode exists); Flow-GRPO and
+MixGRPO on 1 and 2 train ranks alike."""
 from __future__ import annotations
 
 import pytest
@@ -42,3 +43,13 @@ def test_one_train_rank_gives_the_bits_of_two_and_without_the_mode_it_does_not(s
     hpcnft("run", "tiny", "--steps", str(TINY_STEPS), "--run-dir", plain, *TINY_ARGS, *layout(1, 1))
     a, b = (non_perf(read_run(d).metrics) for d in (tiny_run.run_dir, plain))
     assert not compare_metrics(a, b).same  # gradients reduced in another order
+
+
+@pytest.mark.parametrize("algo", ["flow_grpo", "mixgrpo"])
+def test_the_transition_algorithms_give_the_same_bits_on_one_and_two_train_ranks(algo, tmp_path, hpcnft_cache):
+    """Flow-GRPO's and MixGRPO's updates sum the virtual shards too (algo/transition_trainer.py)."""
+    runs = {t: str(tmp_path / f"{t}+1") for t in (1, 2)}
+    for train, run_dir in runs.items():
+        hpcnft("run", "tiny", "--steps", "3", "--run-dir", run_dir, *INVARIANT, "--set", f"algo.name={algo}",
+               *layout(train, 1))
+    assert_same_metrics(runs[2], runs[1])

@@ -16,6 +16,7 @@ class FlowGRPOSpec(AlgorithmSpec):
     plot_keys = ("train/grpo_loss", "train/grad_norm")
     old_policy_is = "pi_old, which Flow-GRPO sets to theta after every step: theta, which the rollouts sample with"
     implementation = "hpcnft.algo.flow_grpo.algorithm:FlowGRPO"
+    sums_virtual_shards = True
     # its SD3.5-M PickScore recipe's (sd35m_pickscore_grpo): CFG 4.5 in the rollout and the trained
     # forward, the KL to the base, 2 updates a step; DiffusionNFT's v_old levers and the fp8 rollout
     # (which its ratio would measure) refused

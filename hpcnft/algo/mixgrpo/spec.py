@@ -17,6 +17,7 @@ class MixGRPOSpec(AlgorithmSpec):
     plot_keys = ("train/mix_loss", "train/grad_norm", "train/mix_window_start")
     old_policy_is = "pi_old, which MixGRPO sets to theta after every step: theta, which the rollouts sample with"
     implementation = "hpcnft.algo.mixgrpo.algorithm:MixGRPO"
+    sums_virtual_shards = True
     refused_levers = ("perf.old_pass_batch", "perf.v_old_fp8", "perf.rollout_fp8")
 
     def trained_steps(self, cfg) -> int:

@@ -60,12 +60,20 @@ def test_one_ranks_shards_gradients_summed_set_the_parameters_gradients():
 
 @pytest.mark.parametrize("over,match", [
     (["train.finetune=full", "train.lora_targets=[]"], "needs train.finetune"),
-    (["algo.name=flow_grpo"], "does not sum virtual shards"),
     (["determinism.virtual_shards=5"], "do not split the step's 16 samples"),
 ])
 def test_what_layout_invariance_cannot_do_is_refused_naming_the_key(over, match):
     with pytest.raises(ConfigError, match=f"determinism.(layout_invariant|virtual_shards).*{match}"):
         load_config("tiny", ["determinism.layout_invariant=true", *over])
+
+
+def test_an_algorithm_whose_trainer_sums_no_shards_is_refused(monkeypatch):
+    """Every algorithm today sums them; a new one says so in its spec, or is refused."""
+    from hpcnft.algo.nft.spec import SPEC
+
+    monkeypatch.setattr(SPEC, "sums_virtual_shards", False)
+    with pytest.raises(ConfigError, match="DiffusionNFT's trainer does not sum virtual shards"):
+        load_config("tiny", ["determinism.layout_invariant=true"])
 
 
 def test_train_ranks_that_do_not_divide_the_shards_are_refused_before_any_rank_starts():
