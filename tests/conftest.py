@@ -28,7 +28,7 @@ import os
 
 import pytest
 
-from jobs import FinishedRun, shared_result, start_tiny_run
+from jobs import INVARIANT_ARGS, INVARIANT_STEPS, FinishedRun, shared_result, start_tiny_run
 
 from tiers import COUNTS, TIERS
 
@@ -108,6 +108,15 @@ def tiny_run(hpcnft_cache, tmp_path_factory) -> FinishedRun:
 def tiny_run_again(hpcnft_cache, tmp_path_factory) -> FinishedRun:
     """The same command once more, into another run dir (bit-identical runs)."""
     return FinishedRun(*shared_result(tmp_path_factory, "tiny-run-again", lambda d: start_tiny_run(str(d / "run"))))
+
+
+# determinism.layout_invariant's tiny run straight on 2+1 (tests/jobs.py: INVARIANT_ARGS), which
+# the runs resumed on other layouts are held to: test_layout_invariance, and mpirun's in tests/hpc
+@pytest.fixture(scope="session")
+def invariant_run(hpcnft_cache, tmp_path_factory) -> str:
+    def make(folder):
+        return start_tiny_run(str(folder / "run"), INVARIANT_STEPS, INVARIANT_ARGS).run_dir
+    return shared_result(tmp_path_factory, "invariant-run", make)
 
 
 @pytest.fixture

@@ -177,6 +177,11 @@ TINY_STEPS = 3
 TINY_ARGS = ("--set", "checkpoint.every=1", "--set", f"checkpoint.keep={TINY_STEPS}")
 
 
+# determinism.layout_invariant, a checkpoint every step: the session's `invariant_run` (conftest)
+INVARIANT_ARGS = ("--set", "determinism.layout_invariant=true", "--set", "checkpoint.every=1")
+INVARIANT_STEPS = 4
+
+
 class FinishedRun(NamedTuple):
     run_dir: str
     stdout: str
@@ -184,12 +189,12 @@ class FinishedRun(NamedTuple):
     seconds: float
 
 
-def start_tiny_run(run_dir: str) -> FinishedRun:
+def start_tiny_run(run_dir: str, steps: int = TINY_STEPS, args: tuple[str, ...] = TINY_ARGS) -> FinishedRun:
     """Through the local spawner, even when pytest itself runs inside a Slurm allocation."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(TINY_STEPS), "--run-dir",
-                        run_dir, *TINY_ARGS], capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run([sys.executable, "-m", "hpcnft", "run", "tiny", "--steps", str(steps), "--run-dir",
+                        run_dir, *args], capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise AssertionError(f"the shared tiny run exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return FinishedRun(run_dir, r.stdout, r.stderr, time.monotonic() - t0)

@@ -31,11 +31,9 @@ until that rank's next request, and CUDA shares its hardware queues between stre
 behind it while the train ranks wait for each other in FSDP's collectives: a deadlock (seen on
 one H200 in the 3+1 layout).
 
-The images (the payload) travel on one of two channels (layout.reward_transport): `HostImages`,
-copied to the host and sent over gloo with the request; or `DeviceImages`, sent from GPU to GPU
-on an NCCL communicator per train/reward pair. The reward rank posts the NCCL receive only once
-the request's header has come (over gloo), so the send it matches is already posted: no receive
-ever waits on the device for a request that has not been made. Scores and messages stay on gloo.
+The images (the payload) travel on one of two channels, layout.reward_transport's
+(hpcnft.distributed.reward_images): over gloo with the request, or from GPU to GPU over NCCL.
+Scores and messages stay on gloo.
 """
 from __future__ import annotations
 
@@ -49,13 +47,14 @@ import torch.distributed as dist
 
 from hpcnft.common.errors import OutageError, first_line
 from hpcnft.common.term_warnings import collected
+from hpcnft.distributed.reward_images import PAYLOAD_TAG, DeviceImages, HostImages
 from hpcnft.distributed.reward_limits import MAX_CHUNK, MAX_CHUNK_BYTES, MAX_SIDE
 
 ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT = 1, 2, 3, 4, 5
 OK, FAILED, OUTAGE = 0, 1, 2
 MSG_BYTES = 1024
 REPLY_HEADER = 5
-HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3  # gloo matches receives by tag
+HEADER_TAG, REPLY_TAG = 1, 3  # gloo matches receives by tag (PAYLOAD_TAG: reward_images)
 
 log = logging.getLogger("hpcnft")
 
@@ -120,67 +119,6 @@ def validate_header(h: list[int]) -> None:
         raise RewardServiceError(f"malformed request: {n} images of {height}x{width} is out of bounds")
     if kind == DONE and n not in (0, 1):
         raise RewardServiceError(f"malformed request: end message with flag {n}")
-
-
-class HostImages:
-    """The images over gloo: copied to the host (which waits for their decode), tag-matched."""
-
-    name = "gloo"
-
-    def __init__(self, group):
-        self.group = group
-
-    def isend(self, images: torch.Tensor, dst: int) -> tuple[object, torch.Tensor]:
-        imgs = images.cpu().contiguous()  # waits for the decode of this chunk only
-        return dist.isend(imgs, dst, group=self.group, tag=PAYLOAD_TAG), imgs
-
-    def recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.uint8)
-        dist.recv(t, src, group=self.group, tag=PAYLOAD_TAG)
-        return t
-
-
-class DeviceImages:
-    """The images over NCCL, from device to device, on the communicator of each train/reward pair
-    (`groups`: by the peer's rank). Only images travel on it, in order, so no tags are needed. The
-    send is queued behind the decode on the GPU and the train rank goes on at once; the reward
-    rank's receive is posted only after the request's header came over gloo, and the terms read
-    the images where they landed (on the reward rank's GPU)."""
-
-    name = "nccl"
-
-    def __init__(self, groups: dict[int, object], device: torch.device):
-        self.groups, self.device = groups, device
-
-    def isend(self, images: torch.Tensor, dst: int) -> tuple[object, torch.Tensor]:
-        imgs = images.to(self.device).contiguous()
-        return dist.isend(imgs, dst, group=self.groups[dst]), imgs
-
-    def recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=torch.uint8, device=self.device)
-        dist.recv(t, src, group=self.groups[src])
-        return t
-
-    def connect(self, train_ranks: list[int], rank: int) -> None:
-        """One byte over each pair, at the start: NCCL joins a pair's two ranks on its first send
-        and receive, and the send blocks its host thread until the receive comes. Joined here,
-        in the train ranks' order, no send of the run waits for it."""
-        one = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        for t in train_ranks:
-            if t == rank:  # a train rank: its one reward rank
-                (peer, group), = self.groups.items()
-                dist.send(one, peer, group=group)
-            elif t in self.groups:  # a reward rank: each of its train ranks in turn
-                dist.recv(one, t, group=self.groups[t])
-
-
-def image_channel(topo) -> HostImages | DeviceImages:
-    """The images' channel of this rank's reward traffic (layout.reward_transport, resolved)."""
-    if topo.reward_transport == "nccl":
-        channel = DeviceImages(topo.pair_groups, topo.device)
-        channel.connect(topo.train_ranks, topo.rank)
-        return channel
-    return HostImages(topo.host_group)
 
 
 @dataclass

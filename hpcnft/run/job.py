@@ -23,11 +23,11 @@ from hpcnft.io.checkpointer import Checkpointer, Schedule
 from hpcnft.io.trackers import TrackerGroup
 from hpcnft.rewards.registry import training_terms
 from hpcnft.run.output import (claim_first_failure, eval_line, fail_line, log, pass_line, print_err, progress_line,
-                               reward_header, save_grid)
-from hpcnft.run.guard import Guard, Verdict
+                               reward_header, save_grid, steps_text, truncation_warning)
 from hpcnft.run.resume import ResumePlan, layout_change
 from hpcnft.run.rundir import finished_line
 from hpcnft.run.train_rank import build_train_rank
+from hpcnft.run.watch import JobWatch
 
 
 class TrainJob:
@@ -48,8 +48,7 @@ class TrainJob:
                                          Schedule(c.every, c.at_end, c.keep),
                                          parts=checkpoint_parts(tr.policy, tr.trainer.optimizer),
                                          scaler=tr.trainer.scaler, peers=tr.client.snapshot)
-        w = cfg.watch  # the guard and the best checkpoint, from the evaluations' metrics
-        self.guard = Guard(w.guard_metric, w.guard_drop, c.keep_best) if w.guard_metric or c.keep_best else None
+        self.watch = JobWatch(cfg)  # the guard and the best checkpoint, from the evaluations' metrics
         self.writer = None
         self.warnings: list[str] = []
         self.resumed_from = self.rebuilt = ""  # the checkpoint loaded; rank 0: the warning that run.h5 was rebuilt
@@ -154,20 +153,9 @@ class TrainJob:
 
     def warn_truncated_prompts(self, step: int) -> None:
         """Rank 0, once per start: how many prompts the text encoders will cut."""
-        from hpcnft.algo.sampler import truncated_prompts
-
-        cfg, tr = self.cfg, self.tr
-        n_eval = min(cfg.eval.num_prompts or len(tr.eval_prompts), len(tr.eval_prompts))
-        prompts = tr.stream.prompts + tr.eval_prompts[:n_eval]
-        n_cut, by_encoder = truncated_prompts(tr.pipe, prompts, cfg.rollout.max_sequence_length)
-        if not n_cut:
-            return
-        limits = {"CLIP": f"{tr.pipe.tokenizer_max_length} tokens",
-                  "T5": f"rollout.max_sequence_length = {cfg.rollout.max_sequence_length} tokens"}
-        detail = ", ".join(f"{name} cuts {n} (over {limits[name]})" for name, n in by_encoder.items() if n)
-        text = (f"{n_cut} of {len(prompts)} prompts (train and eval) are longer than the text encoders take "
-                f"and are truncated: {detail}")
-        self._report_warning(text, step)
+        text = truncation_warning(self.cfg, self.tr)
+        if text:
+            self._report_warning(text, step)
 
     def report_term_warnings(self, step: int) -> None:
         """Every train rank: the warnings the reward terms gave on this rank's chunks of the
@@ -205,38 +193,14 @@ class TrainJob:
         if cfg.eval.at_start and start_step == 0:
             before = self.tr.evaluate()
             self.log_row(0, before)
-            if self.guard is not None:  # the base's judgement: often the judge's best
-                self.guard.observe(0, before)
+            self.watch.observe(0, before)  # the base's judgement: often the judge's best
             if self.writer:
                 self.say_lines(self.learning_lines(0, before))
         self.saved_step = start_step
-        if self.guard is not None and start_step:
-            self.replay_guard(start_step)
+        self.watch.replay(self.writer, self.group, self.topo.train_ranks[0], start_step)
         if self.evaluation_owed(start_step):  # its reward service was down when it was due
             self.log_row(start_step, self.tr.evaluate())
         return start_step
-
-    def replay_guard(self, start_step: int) -> None:
-        """Every train rank: the guard's state as the evaluations in run.h5 up to `start_step`
-        left it (rank 0 reads them), so that a resumed run decides as the uninterrupted one."""
-        rows = [self.writer.rows_between(-1, start_step) if self.writer else None]
-        if self.group is not None:
-            dist.broadcast_object_list(rows, src=self.topo.train_ranks[0], group=self.group)
-        self.guard.replay(rows[0] or {})
-
-    def watch(self, step: int, verdict: Verdict, saved: bool) -> None:
-        """Rank 0: a new best (its checkpoint, written at this step, named in checkpoints/BEST)
-        and the guard's verdict, as events and lines."""
-        if not self.writer:
-            return
-        c = self.cfg.checkpoint
-        if verdict.new_best and saved:
-            value = self.guard.kept.value
-            self.checkpointer.mark_best(step, c.keep_best, value)
-            self.writer.event(step, "best", f"best checkpoint by {c.keep_best}: step {step} ({value:.6g})")
-        if verdict.fired:
-            self.writer.event(step, "guard", verdict.text)
-            print_err(verdict.text)
 
     def guard_stop(self, step: int) -> int:
         """Every train rank: the guard's stop, after its checkpoint; the reward rank is told the
@@ -342,8 +306,8 @@ class TrainJob:
             if lost is not None:
                 return self.outage(step, lost, note=" (its evaluation is made when the run resumes)")
             stop = self.stop_requested()
-            verdict = self.guard.observe(step, metrics) if self.guard is not None else Verdict()
-            halt = verdict.fired and cfg.watch.guard_action == "stop"
+            verdict = self.watch.observe(step, metrics)
+            halt = self.watch.halts(verdict)
             if self.checkpointer.due(step, cfg.steps) or stop or verdict.new_best or halt:
                 t_save = time.perf_counter()
                 saved = self.checkpointer.save(step)
@@ -351,7 +315,7 @@ class TrainJob:
                     log.info("checkpoint of step %d: %.1f MiB in %.2f s", step, folder_bytes(saved) / 2**20,
                              time.perf_counter() - t_save)
                 self.saved_step = step
-            self.watch(step, verdict, self.saved_step == step)
+            self.watch.record(self.writer, self.checkpointer, step, verdict, self.saved_step == step)
             if halt and step < cfg.steps:
                 return self.guard_stop(step)
             if stop and step < cfg.steps:
@@ -398,10 +362,6 @@ class TrainJob:
                 (f"; `{self.resume_command}` resumes it" if self.resume_command else "")
             print(f"hpcnft: {how} at step {step}: checkpointed{then}", flush=True)
         return EXIT_INTERRUPTED if self.flag.interrupted else EXIT_PREEMPTED
-
-
-def steps_text(n: int) -> str:
-    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def train_main(cfg: Config, topo, group, mesh, flag: PreemptFlag, plan: ResumePlan, resume: str = "") -> int:

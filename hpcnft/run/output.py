@@ -169,3 +169,24 @@ def report_failure(topo, run_dir: str, e: BaseException, where: str = "") -> Non
         print_err(fail_line(topo, e) + where)
     else:
         log.error("after rank %s's failure: %s", FailureClaim(run_dir).holder(), fail_line(topo, e))
+
+
+def truncation_warning(cfg, tr) -> str:
+    """How many of the run's prompts (train and evaluated) the text encoders will cut, and where;
+    "" when none. `tr`: the train rank's parts (its pipeline and prompt lists)."""
+    from hpcnft.algo.sampler import truncated_prompts
+
+    n_eval = min(cfg.eval.num_prompts or len(tr.eval_prompts), len(tr.eval_prompts))
+    prompts = tr.stream.prompts + tr.eval_prompts[:n_eval]
+    n_cut, by_encoder = truncated_prompts(tr.pipe, prompts, cfg.rollout.max_sequence_length)
+    if not n_cut:
+        return ""
+    limits = {"CLIP": f"{tr.pipe.tokenizer_max_length} tokens",
+              "T5": f"rollout.max_sequence_length = {cfg.rollout.max_sequence_length} tokens"}
+    detail = ", ".join(f"{name} cuts {n} (over {limits[name]})" for name, n in by_encoder.items() if n)
+    return (f"{n_cut} of {len(prompts)} prompts (train and eval) are longer than the text encoders take and are "
+            f"truncated: {detail}")
+
+
+def steps_text(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"

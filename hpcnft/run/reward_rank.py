@@ -8,7 +8,8 @@ from hpcnft.algo.root_config import Config
 from hpcnft.common import collector, determinism
 from hpcnft.common.errors import EXIT_OK, EXIT_PREEMPTED, EXIT_UNAVAILABLE
 from hpcnft.distributed.preempt import PreemptFlag
-from hpcnft.distributed.reward_service import image_channel, serve
+from hpcnft.distributed.reward_images import image_channel
+from hpcnft.distributed.reward_service import serve
 from hpcnft.io.checkpointer import restore_rank_rng, snapshot_rank_rng
 from hpcnft.run.failures import FailureClaim
 from hpcnft.run.output import log

@@ -11,7 +11,8 @@ from hpcnft.algo.policy import Policy
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.algo.root_config import Config
 from hpcnft.common import determinism
-from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient, image_channel
+from hpcnft.distributed.reward_images import image_channel
+from hpcnft.distributed.reward_service import LocalRewardClient, RemoteRewardClient
 from hpcnft.models.load_turns import load_turn
 from hpcnft.models.loading import base_family, resolve_model_paths
 from hpcnft.perf import levers

@@ -1,19 +1,18 @@
 """determinism.layout_invariant on the tiny recipe (gloo on the CPU): runs on 1 and 2 train
 ranks, and a run of 2+1 ranks resumed as 4+1, then 1+1, then 2+2, all bit-identical to the run
-straight on 2+1; without the mode the layouts differ (the reason the mode exists); Flow-GRPO and
-MixGRPO on 1 and 2 train ranks alike."""
+straight on 2+1; without the mode the layouts differ (the reason the mode exists); Flow-GRPO on
+1 and 2 train ranks alike."""
 from __future__ import annotations
 
 import pytest
 
+from jobs import INVARIANT_ARGS as INVARIANT
+from jobs import INVARIANT_STEPS as STEPS
 from jobs import TINY_ARGS, TINY_STEPS, assert_same_metrics, hpcnft, non_perf
 from hpcnft.io.compare import compare_metrics
 from hpcnft.io.runfile import read_run
 
 pytestmark = pytest.mark.slow
-
-INVARIANT = ("--set", "determinism.layout_invariant=true", "--set", "checkpoint.every=1")
-STEPS = 4
 
 
 def layout(train: int, reward: int) -> tuple[str, ...]:
@@ -21,10 +20,9 @@ def layout(train: int, reward: int) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, hpcnft_cache) -> str:
-    run_dir = str(tmp_path_factory.mktemp("invariant") / "2+1")
-    hpcnft("run", "tiny", "--steps", str(STEPS), "--run-dir", run_dir, *INVARIANT)
-    return run_dir
+def straight(invariant_run) -> str:
+    """The session's run straight on 2+1 (tests/conftest.py)."""
+    return invariant_run
 
 
 def test_a_run_resumed_on_three_other_layouts_is_bit_identical_to_the_straight_run(straight, tmp_path):
@@ -45,9 +43,9 @@ def test_one_train_rank_gives_the_bits_of_two_and_without_the_mode_it_does_not(s
     assert not compare_metrics(a, b).same  # gradients reduced in another order
 
 
-@pytest.mark.parametrize("algo", ["flow_grpo", "mixgrpo"])
+@pytest.mark.parametrize("algo", ["flow_grpo"])  # MixGRPO's updates are the same code
 def test_the_transition_algorithms_give_the_same_bits_on_one_and_two_train_ranks(algo, tmp_path, hpcnft_cache):
-    """Flow-GRPO's and MixGRPO's updates sum the virtual shards too (algo/transition_trainer.py)."""
+    """Flow-GRPO's (and MixGRPO's) updates sum the virtual shards too (algo/transition_trainer.py)."""
     runs = {t: str(tmp_path / f"{t}+1") for t in (1, 2)}
     for train, run_dir in runs.items():
         hpcnft("run", "tiny", "--steps", "3", "--run-dir", run_dir, *INVARIANT, "--set", f"algo.name={algo}",

@@ -16,7 +16,8 @@ from hpcnft.algo.root_config import ConfigError, load_config
 from hpcnft.distributed.groups import (Topology, emulate_host, group_backends, pair_groups, resolve_backend,
                                        resolve_transport)
 from hpcnft.distributed.launch import LaunchInfo
-from hpcnft.distributed.reward_service import EVAL, ROLLOUT, DeviceImages, RemoteRewardClient, serve
+from hpcnft.distributed.reward_images import DeviceImages
+from hpcnft.distributed.reward_service import EVAL, ROLLOUT, RemoteRewardClient, serve
 
 
 COLUMNS = {ROLLOUT: 2, EVAL: 1}  # two training terms; evaluation scores one
