@@ -16,9 +16,10 @@ test).
 shared by every test that only reads a finished run (see below).
 
 Parallel workers (pytest-xdist, `-n 2 --dist loadgroup`, as CI runs every tier): the tests of a
-module stay on one worker (their module fixtures run once), the hpc tests all on one (they share
-the two clusters, and one test stops and starts a node), and the session's shared runs and tiny
-model cache are made once for all workers (`shared_result`).
+module stay on one worker (their module fixtures run once), the hpc tests of each cluster on one
+(`worker_group`: the one-node cluster's, and those that make nodes of network namespaces, one of
+which stops and starts a node), and the session's shared runs and tiny model cache are made once
+for all workers (`shared_result`).
 
 `thread_spy`: replace a module's function by one that records the thread it runs in.
 """
@@ -56,11 +57,24 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(mark)
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(pytest.mark.default)
-        hpc = item.get_closest_marker("hpc") is not None
-        item.add_marker(pytest.mark.xdist_group("hpc" if hpc else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
     if config.args_source != pytest.Config.ArgsSource.ARGS:  # the whole tree: the README's counts hold it
         config.stash[COUNTS] = {**{tier: sum(1 for item in items if item.get_closest_marker(tier))
                                    for tier in ("default", *TIERS)}, "all": len(items)}
+
+
+# the tests that make nodes of network namespaces: the three-node cluster's, and the one that
+# starts and stops a cluster of two; the other hpc tests use the one-node cluster and MPI
+NODE_MODULES = ("test_multinode.py", "test_local_slurm_nodes.py")
+
+
+def worker_group(item) -> str:
+    """The tests xdist keeps on one worker, in turn: the hpc tests of each cluster (they share
+    it), and otherwise each module's (their module fixtures run once)."""
+    module = item.nodeid.split("::")[0]
+    if item.get_closest_marker("hpc") is None:
+        return module
+    return "hpc-nodes" if module.endswith(NODE_MODULES) else "hpc"
 
 
 @pytest.fixture(autouse=True)

@@ -322,6 +322,7 @@ def test_mpirun_inside_a_three_node_allocation_identical(multinode_cluster, ref_
 # determinism.layout_invariant: the run's bits do not depend on the nodes it got; 4 samples a
 # step in 4 shards, which 1 and 2 train ranks divide.
 INVARIANT_SET = SHORT_SET + ["determinism.layout_invariant=true", "determinism.virtual_shards=4"]
+REQUEUE_STEPS = 12  # room for two moves after step 2, few enough for CI
 
 
 def requeue_onto(job: str, nodes: int, run_dir) -> None:
@@ -358,12 +359,12 @@ def test_a_job_requeued_onto_fewer_nodes_and_back_goes_on_on_each_and_finishes(m
     the run finishes with every step once. (That its bits are the straight run's under
     determinism.layout_invariant, the layouts' tests hold: tests/integration/test_layout_invariance.py.)"""
     run_dir = tmp_path / "run"
-    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, SHORT_STEPS, INVARIANT_SET, cwd=tmp_path,
+    job = sbatch_job(multinode_cluster, TINY_SBATCH, run_dir, REQUEUE_STEPS, INVARIANT_SET, cwd=tmp_path,
                      args=ONE_PER_NODE)
     jobs.append(job)
     try:
         at = wait_for_job_step(job, 2, run_dir)
-        assert at < SHORT_STEPS - 6, f"the run was already at step {at}: too late to move it twice"
+        assert at < REQUEUE_STEPS - 6, f"the run was already at step {at}: too late to move it twice"
         assert _run(["scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=hpcnft-test"]).returncode == 0
         requeue_onto(job, 2, run_dir)
         wait_until("a step on two nodes", lambda: steps_after(run_dir, 1), LONG_TIMEOUT, lambda: diagnose(run_dir, job))
@@ -380,4 +381,4 @@ def test_a_job_requeued_onto_fewer_nodes_and_back_goes_on_on_each_and_finishes(m
     assert moves[1].endswith("-> 2 train + 1 reward ranks on 3 host(s) (node1, node2, node3)"), moves
     assert "--ntasks=2" in job_output(job)  # the batch step started the tasks the nodes it got hold
     steps = read_run(str(run_dir)).metrics["train/nft_loss"][:, 0].tolist()
-    assert steps == [float(s) for s in range(1, SHORT_STEPS + 1)]
+    assert steps == [float(s) for s in range(1, REQUEUE_STEPS + 1)]
