@@ -177,6 +177,10 @@ stop_pidfiles() {  # stop_pidfiles NAME:PIDFILE ...: SIGTERM them together, SIGK
   for pid in "${pids[@]}"; do
     if kill -0 "$pid" 2>/dev/null; then log "pid $pid did not exit, SIGKILL"; kill -9 "$pid" 2>/dev/null || true; fi
   done
+  for _ in $(seq 1 50); do  # gone before stop returns, even on a loaded machine
+    any_alive "${pids[@]}" || return 0
+    sleep 0.1
+  done
 }
 
 port_in_use() {  # port_in_use PORT: something accepts connections on 127.0.0.1:PORT
