@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hpcnft.algo.policy import Policy
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.shared_math import eval_ema_decay
+from hpcnft.distributed.groups import collective_device
 
 
 class LossScaler:
@@ -56,6 +58,12 @@ class TrainerBase:
         self.optimizer = torch.optim.AdamW(policy.trainable, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scaler = LossScaler(cfg.train.grad_scaler_init, enabled=cfg.train.precision == "fp16")
+
+    def comm_device(self) -> torch.device:
+        """Where the train group's collectives take their tensors (the train device alone)."""
+        if self.group is None:
+            return self.policy.device
+        return collective_device(dist.get_backend(self.group), self.policy.device)
 
     def micro_batches(self, pairs: list, size: int):
         for i in range(0, len(pairs), size):

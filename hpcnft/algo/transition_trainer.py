@@ -18,7 +18,6 @@ from hpcnft.algo import sde_policy as sde
 from hpcnft.algo.sampler import Conditioning, guided_velocity
 from hpcnft.algo.train_base import TrainerBase
 from hpcnft.algo.virtual_shards import ShardGradients, shard_size, sum_over_shards
-from hpcnft.distributed.groups import collective_device
 from hpcnft.perf.mfu import span
 
 
@@ -135,27 +134,22 @@ class TransitionTrainer(TrainerBase):
                     dev_sums[s] += dev_part
                     host_sums[s] += host_part
                 if bank is not None:
-                    bank.take(torch.zeros(0))
+                    bank.take()
             if bank is not None:  # the update's gradient: every shard's, summed in shard order
-                bank.sum_into_grads(self._comm_device())
+                bank.sum_into_grads(self.comm_device())
             with span("train/optimizer"):
                 norm, skip = self._optimizer_step((step - 1) * g.updates_per_step + u + 1)
             norms.append(norm)
             skipped += skip
         rows = torch.stack([torch.cat([dev_sums[s].cpu(), host_sums[s]]) for s in shards])
         if invariant:  # the step's metric sums: every shard's, in shard order
-            total = sum_over_shards(rows, self.group, self._comm_device()).cpu()
+            total = sum_over_shards(rows, self.group, self.comm_device()).cpu()
         else:
             total = rows[0]
             if self.group is not None:
-                total = total.to(self._comm_device())
+                total = total.to(self.comm_device())
                 dist.all_reduce(total, group=self.group)
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, total.tolist())), norms, skipped, scale, k)
-
-    def _comm_device(self) -> torch.device:
-        if self.group is None:
-            return self.policy.device
-        return collective_device(dist.get_backend(self.group), self.policy.device)
 
     def micro_batch(self, batch: SDEBatch, m: TransitionBatch, loss_norm: float, scale: float):
         """KL reference, trained forward, loss and backward of one micro-batch (gradients

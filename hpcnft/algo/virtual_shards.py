@@ -96,20 +96,21 @@ class ShardGradients:
         self.grads: list[torch.Tensor] = []
         self.sums: list[torch.Tensor] = []
 
-    def take(self, sums: torch.Tensor) -> None:
+    def take(self, sums: torch.Tensor | None = None) -> None:
         flat = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                 for p in self.params]
         self.grads.append(torch.cat(flat))
-        self.sums.append(sums.to(torch.float64))
+        if sums is not None:
+            self.sums.append(sums.to(torch.float64))
         for p in self.params:
             p.grad = None
 
-    def sum_into_grads(self, comm_device: torch.device) -> torch.Tensor:
+    def sum_into_grads(self, comm_device: torch.device) -> torch.Tensor | None:
         """Set the parameters' gradients to the sum of every shard's; returns the shards' metric
-        sums, summed in shard order (on the host). `comm_device`: where the group's collectives
-        take their tensors."""
+        sums, summed in shard order (on the host; None where none were taken). `comm_device`:
+        where the group's collectives take their tensors."""
         grads = sum_over_shards(torch.stack(self.grads), self.group, comm_device)
-        sums = sum_over_shards(torch.stack(self.sums), self.group, comm_device).cpu()
+        sums = sum_over_shards(torch.stack(self.sums), self.group, comm_device).cpu() if self.sums else None
         offset = 0
         for p in self.params:
             p.grad = grads[offset:offset + p.numel()].view_as(p).to(p.device, copy=True)

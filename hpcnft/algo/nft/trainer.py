@@ -12,7 +12,6 @@ from hpcnft.algo.policy import Policy
 from hpcnft.algo.root_config import Config
 from hpcnft.algo.train_base import TrainerBase
 from hpcnft.algo.virtual_shards import ShardGradients, pair_slices, shard_size
-from hpcnft.distributed.groups import collective_device
 from hpcnft.perf import levers
 from hpcnft.perf.mfu import span
 
@@ -65,7 +64,6 @@ class Trainer(TrainerBase):
             shards = [[self.inputs(batch, sigmas, pairs[i:min(i + size, hi)], eps[i:min(i + size, hi)])
                        for i in range(lo, hi, size)] for lo, hi in groups]
         self.optimizer.zero_grad(set_to_none=True)
-        comm = collective_device(dist.get_backend(self.group), policy.device) if self.group is not None else None
         bank = ShardGradients(policy.trainable, self.group) if invariant else None
         # Gradient of the global mean over all pairs: FSDP averages over the train ranks, the
         # shards' sum (layout_invariant) does not.
@@ -79,11 +77,11 @@ class Trainer(TrainerBase):
             else:
                 total += sums
         if bank is not None:
-            total = bank.sum_into_grads(comm or policy.device)
+            total = bank.sum_into_grads(self.comm_device())
         with span("train/optimizer"):
             grad_norm, skipped = self._optimizer_step(step)  # one optimizer step a step
         if self.group is not None and bank is None:
-            total = total.to(comm)
+            total = total.to(self.comm_device())
             dist.all_reduce(total, group=self.group)
         return self._metrics(dict(zip(self.DEVICE_SUMS + self.HOST_SUMS, total.tolist())), grad_norm, skipped,
                              used_scale)
