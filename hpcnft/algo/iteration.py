@@ -113,7 +113,8 @@ class Learner:
                     x0, cond, keep = self.algorithm.sample(
                         self.stream.for_samples(step, chunk, cfg.rollout.prompts_per_step, g), noise.result(), step)
                 with span("rollout/decode"):
-                    images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding, cfg.perf.vae_decode_batch)
+                    images = decode_to_uint8(self.pipe.vae, x0, cfg.rollout.uint8_rounding, cfg.perf.vae_decode_batch,
+                                             self.family)
                 with span("rollout/reward_submit"):
                     pending.append(self.client.submit(ROLLOUT, step, images, chunk))  # scored while we go on
                 # What training needs stays on the train device (no copies back per micro-batch).
@@ -251,7 +252,7 @@ class Learner:
                     norm = self.adapter_norm() if cfg.train.finetune == "lora" else None
                 if real:
                     images = decode_to_uint8(self.pipe.vae, x0[:len(real)], cfg.rollout.uint8_rounding,
-                                             cfg.perf.vae_decode_batch)
+                                             cfg.perf.vae_decode_batch, self.family)
                     pending.append((real, self.client.submit(EVAL, 0, images, real)))
         collected = self.collect_all([p for _, p in pending])
         local = [(i, row) for (ids, _), got in zip(pending, collected) for i, row in zip(ids, got.tolist())]

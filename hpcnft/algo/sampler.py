@@ -52,8 +52,9 @@ class NoiseAhead:
 
 @dataclass
 class Conditioning:
-    """The positive conditioning (token embeddings and the pooled embedding) for a batch (what the
-    trainer reuses) and, with CFG, the negative."""
+    """The positive conditioning (token embeddings and the pooled embedding, or whatever second
+    batch-first tensor the family's encode_prompt gives) for a batch (what the trainer reuses) and,
+    with CFG, the negative."""
     prompt_embeds: torch.Tensor
     pooled: torch.Tensor
     neg_prompt_embeds: torch.Tensor | None = None
@@ -192,17 +193,17 @@ def euler_sample(transformer, noise: torch.Tensor, sigmas: torch.Tensor, cond: C
 
 
 @torch.no_grad()
-def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round", batch: int = 0) -> torch.Tensor:
-    """VAE decode of (unpacked) latents to uint8 images [B, H, W, 3] on the CPU: the VAE's scaling
-    and shift as SD3's and FLUX's pipelines undo them. `batch` > 0 (perf.vae_decode_batch):
-    decode that many at a time (the decoder's activations are the largest of the rollout's)."""
+def decode_to_uint8(vae, latents: torch.Tensor, rounding: str = "round", batch: int = 0, family=SD3) -> torch.Tensor:
+    """VAE decode of (unpacked) latents to uint8 images [B, H, W, 3] (a video family's frames
+    [B, F, H, W, 3]) on the CPU, the latent scaling undone as `family`'s pipeline does. `batch` > 0
+    (perf.vae_decode_batch): decode that many at a time (the decoder's activations are the largest
+    of the rollout's)."""
     if 0 < batch < len(latents):
-        return torch.cat([decode_to_uint8(vae, part, rounding) for part in latents.split(batch)])
-    z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-    img = vae.decode(z, return_dict=False)[0].float()
+        return torch.cat([decode_to_uint8(vae, part, rounding, 0, family) for part in latents.split(batch)])
+    img = family.decode(vae, latents).float()
     img = (img / 2 + 0.5).clamp(0, 1) * 255.0
     img = img.round() if rounding == "round" else img.floor()
-    return img.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+    return img.to(torch.uint8).movedim(1, -1).contiguous().cpu()
 
 
 def prompt_grid(images: np.ndarray, prompts: list[str], caption_lines: int = 3) -> np.ndarray:

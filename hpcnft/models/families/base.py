@@ -68,7 +68,10 @@ class Family:
         return [getattr(pipe, name) for name in self.text_encoder_names]
 
     def encode_prompt(self, pipe, prompt: str, max_sequence_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prompt's (token embeddings [1, L, D], pooled embedding [1, P])."""
+        """One prompt's (token embeddings [1, L, D], the family's second conditioning tensor [1, ...]):
+        SD3's and FLUX's pooled embedding [1, P]. Every prompt's L is the same (prompt_tokens), so
+        that a batch is a cat of its prompts; a family whose encoder gives varying lengths pads them
+        and passes what its DiT needs to know of the padding (a mask) as the second tensor."""
         raise NotImplementedError
 
     def token_limits(self, pipe, max_sequence_length: int) -> list[tuple[str, object, int]]:
@@ -84,6 +87,12 @@ class Family:
         """The VAE latent [C, h, w] of an image, the space the sampler and the NFT loss work in."""
         factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         return (pipe.vae.config.latent_channels, height // factor, width // factor)
+
+    def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's pixels in [-1, 1], channels second ([B, 3, H, W]; a video family's [B, 3, F, H, W]),
+        of the sampler's latents: the latent scaling and shift undone as the family's pipeline does."""
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0]
 
     def sigma_grid(self, scheduler, num_steps: int, latent_shape: tuple[int, int, int]) -> torch.Tensor:
         """The sampler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU)."""
