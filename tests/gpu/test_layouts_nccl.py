@@ -84,19 +84,18 @@ def test_images_over_nccl_give_the_run_of_images_over_gloo(two_plus_one, tmp_pat
             assert got.metrics[key][0, 1] == ref[key][0, 1], key
 
 
-# determinism.layout_invariant over NCCL: 3 prompts x 4 samples in 6 shards of 2, which 1, 2 and
-# 3 train ranks divide; the shards' gradients gathered over NCCL.
-INVARIANT = ["--set", "determinism.layout_invariant=true", "--set", "determinism.virtual_shards=6",
-             "--set", "rollout.prompts_per_step=3", "--set", "checkpoint.every=1"]
+# determinism.layout_invariant over NCCL: the tiny recipe's 4 prompts x 4 samples in its 8 virtual
+# shards of 2, which 1, 2 and 4 train ranks divide; the shards' gradients gathered over NCCL.
+INVARIANT = ["--set", "determinism.layout_invariant=true", "--set", "checkpoint.every=1"]
 
 
-def test_a_layout_invariant_run_resumed_as_1_plus_1_then_3_plus_1_is_bit_identical(tmp_path):
+def test_a_layout_invariant_run_resumed_as_4_plus_1_then_1_plus_1_then_2_plus_2_is_bit_identical(tmp_path):
     straight, moved = str(tmp_path / "straight"), str(tmp_path / "moved")
-    run(straight, *INVARIANT, steps="3")
-    for step, train in ((1, 2), (2, 1), (3, 3)):
-        run(moved, *INVARIANT, *layout(train, 1), steps=str(step))
+    run(straight, *INVARIANT, steps="4")
+    for step, (train, reward) in enumerate([(2, 1), (4, 1), (1, 1), (2, 2)], start=1):
+        run(moved, *INVARIANT, *layout(train, reward), steps=str(step))
     assert_same_metrics(straight, moved)
-    assert [e["step"] for e in read_run(moved).events if e["kind"] == "layout"] == [1, 2]
+    assert [e["step"] for e in read_run(moved).events if e["kind"] == "layout"] == [1, 2, 3]
 
 
 def test_preemption_signal_then_rerun_is_bit_identical(two_plus_one, tmp_path):
