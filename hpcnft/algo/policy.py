@@ -61,6 +61,8 @@ class Policy:
             add_lora(self.transformer, self.cfg)
         else:
             tr.requires_grad_(True)
+        for module in family_of(tr).unreached(tr):  # no gradient reaches them: nothing to train
+            module.requires_grad_(False)
         # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
         if self.compute_dtype != torch.float32:
             for p in tr.parameters():

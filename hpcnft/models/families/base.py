@@ -111,6 +111,12 @@ class Family:
     def prepare_dit(self, transformer) -> None:
         """Process-wide settings the family's DiT needs on its device (called once it is there)."""
 
+    def unreached(self, transformer) -> list[torch.nn.Module]:
+        """The DiT's modules whose parameters its output does not depend on (Qwen-Image's last
+        block's text stream): the policy keeps them frozen, as no gradient would reach them (and
+        an optimizer would keep no state for them, which a checkpoint then could not load)."""
+        return []
+
     def fsdp_blocks(self, transformer) -> list[torch.nn.Module]:
         """The DiT's repeated blocks, each its own FSDP2 unit."""
         raise NotImplementedError

@@ -124,6 +124,14 @@ class QwenImageFamily(Family):
         comb = comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
         return unpack(comb, h, w)
 
+    def unreached(self, transformer):
+        """The last block's text stream after its attention: the text attention output's
+        projection and the text feed-forward feed only text tokens, which the DiT drops after that
+        block. (Its text queries get a gradient of zeros: the joint attention's backward covers
+        every query.)"""
+        last = transformer.transformer_blocks[-1]
+        return [last.attn.to_add_out, last.txt_mlp]
+
     def fsdp_blocks(self, transformer):
         return list(transformer.transformer_blocks)
 

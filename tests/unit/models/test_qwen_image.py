@@ -165,3 +165,15 @@ def test_the_folder_check_follows_the_text_encoders_saved_names(qwen_dir):
     from hpcnft.models.folder_check import check_tensors
 
     check_tensors("models.qwen_image_dir", qwen_dir)
+
+
+def test_the_unreached_modules_are_those_no_gradient_reaches(qwen_dir):
+    """Full fine-tune: after a backward of the velocity, the parameters without a gradient are
+    exactly those of the family's unreached modules (the last block's text stream), which the
+    policy freezes so that the optimizer's state, and a checkpoint's, covers every trained one."""
+    dit = QWEN_IMAGE.load(qwen_dir, torch.float32, CPU).transformer.requires_grad_(True)
+    cond = PromptEncoder(QWEN_IMAGE.load(qwen_dir, torch.float32, CPU), 24, CPU, cfg=False)(PROMPTS[:1])
+    QWEN_IMAGE.velocity(dit, torch.randn(1, 16, 8, 8), torch.tensor([0.5]), cond.prompt_embeds, cond.pooled,
+                        torch.float32, False, 1.0).square().sum().backward()
+    unreached = {id(p) for m in QWEN_IMAGE.unreached(dit) for p in m.parameters()}
+    assert unreached and {id(p) for p in dit.parameters() if p.grad is None} == unreached
