@@ -177,3 +177,11 @@ def test_the_unreached_modules_are_those_no_gradient_reaches(qwen_dir):
                         torch.float32, False, 1.0).square().sum().backward()
     unreached = {id(p) for m in QWEN_IMAGE.unreached(dit) for p in m.parameters()}
     assert unreached and {id(p) for p in dit.parameters() if p.grad is None} == unreached
+
+
+def test_the_pickscore_recipe_is_flow_factorys_nft_recipe_on_qwen_image():
+    cfg = load_config("qwen_image_pickscore")
+    assert cfg.models.family == "qwen_image" and cfg.models.qwen_image_dir == "models/Qwen-Image"
+    assert (cfg.rollout.samples_per_prompt, cfg.samples_per_step, cfg.rollout.guidance_scale) == (16, 48, 4.0)
+    assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.optim.lr, cfg.rollout.max_sequence_length) == \
+        (64, 128, 3e-4, 512)
