@@ -1,8 +1,13 @@
 """The tiny Qwen-Image job end to end in the 3-rank layout (2 train + 1 reward), true CFG on:
 reproducible, the same rollouts on one train rank as on two, resumed bit for bit after a
-preemption; Flow-GRPO on it resumed bit for bit too."""
+preemption, its sample grid scored by `hpcnft score` as the run scored it; Flow-GRPO on it
+resumed bit for bit too."""
 from __future__ import annotations
 
+import json
+import os
+
+import numpy as np
 import pytest
 
 from jobs import assert_same_metrics, assert_step_one_agrees, hpcnft, preempt_during
@@ -29,6 +34,14 @@ def test_the_run_file_names_the_qwen_image_family(uninterrupted):
     assert run.config["models"]["family"] == "qwen_image" and run.config["rollout"]["guidance_scale"] == 4.0
     assert run.topology["world_size"] == 3
     assert run.metrics["train/nft_loss"][:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_hpcnft_score_scores_the_runs_sample_grid_as_the_run_did(uninterrupted):
+    grid = os.path.join(uninterrupted, "samples", "step_000001.png")
+    rows = json.loads(hpcnft("score", "--json", grid).stdout)["images"]
+    assert len(rows) == 16  # every sample of the step
+    mean = np.mean([row["scores"]["pickscore"] for row in rows])
+    assert mean == pytest.approx(read_run(uninterrupted).metrics["rollout/reward/raw_mean"][0, 1], rel=1e-5, abs=1e-6)
 
 
 def test_one_unsharded_train_rank_samples_and_trains_as_two_fsdp2_shards(uninterrupted, tmp_path):
