@@ -44,7 +44,8 @@ def test_qwen_image_euler_matches_qwenimagepipeline_on_cuda(tmp_path):
     noise = torch.randn((2, *shape), generator=torch.Generator().manual_seed(1)).to(cuda)
     sigmas = QWEN_IMAGE.sigma_grid(pipe.scheduler, 10, shape)
     for scale in (1.0, 4.0):
-        cond = PromptEncoder(pipe, 24, cuda, cfg=scale > 1)(["a fox sleeping under a tree in autumn", "a red sports car"])
+        cond = PromptEncoder(pipe, 24, cuda, cfg=scale > 1)(["a fox sleeping under a tree in autumn",
+                                                             "a red sports car"])
         ours = euler_sample(pipe.transformer, noise.clone(), sigmas, cond, scale, torch.float32, null_autocast)
         negative = dict(negative_prompt_embeds=cond.neg_prompt_embeds, negative_prompt_embeds_mask=cond.neg_pooled) \
             if scale > 1 else {}

@@ -83,7 +83,8 @@ class QwenImageFamily(Family):
         return padded, mask
 
     def token_limits(self, pipe, max_sequence_length):
-        return [("Qwen2.5-VL", TemplatedTokenizer(pipe), max_sequence_length)] if pipe.tokenizer is not None else []
+        has = getattr(pipe, "tokenizer", None) is not None
+        return [("Qwen2.5-VL", TemplatedTokenizer(pipe), max_sequence_length)] if has else []
 
     def prompt_tokens(self, max_sequence_length):
         return max_sequence_length
