@@ -107,6 +107,9 @@ class Config:
         if family == "flux" and r.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"rollout.max_sequence_length: FLUX's T5 takes at most {FLUX_MAX_SEQUENCE_LENGTH} "
                               f"tokens, got {r.max_sequence_length}")
+        if family == "qwen_image" and self.perf.attention_backend == "flash":
+            raise ConfigError("perf.attention_backend: flash attention takes no mask, and Qwen-Image's DiT masks the "
+                              "text padding (models.family=\"qwen_image\"); use efficient, cudnn, math or default")
         if family == "qwen_image" and r.max_sequence_length > QWEN_IMAGE_MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"rollout.max_sequence_length: Qwen-Image's text encoder takes at most "
                               f"{QWEN_IMAGE_MAX_SEQUENCE_LENGTH} tokens, got {r.max_sequence_length}")

@@ -185,3 +185,18 @@ def test_the_pickscore_recipe_is_flow_factorys_nft_recipe_on_qwen_image():
     assert (cfg.rollout.samples_per_prompt, cfg.samples_per_step, cfg.rollout.guidance_scale) == (16, 48, 4.0)
     assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.optim.lr, cfg.rollout.max_sequence_length) == \
         (64, 128, 3e-4, 512)
+
+
+def test_fp8_storage_keeps_qwen_images_modulation_linears_as_loaded(qwen):
+    from hpcnft.perf.fp8_storage import stored_linears
+
+    block = qwen.transformer.transformer_blocks[0]
+    stored = {id(m) for m in stored_linears([block])}
+    assert id(block.attn.to_q) in stored and id(block.img_mlp.net[2]) in stored
+    assert id(block.img_mod[1]) not in stored and id(block.txt_mod[1]) not in stored
+
+
+def test_flash_attention_is_refused_for_qwen_image_whose_dit_masks_the_padding():
+    with pytest.raises(ConfigError, match="perf.attention_backend: flash attention takes no mask"):
+        load_config("tiny_qwen_image", ["perf.attention_backend=flash"])
+    assert load_config("tiny_qwen_image", ["perf.attention_backend=efficient"]).perf.attention_backend == "efficient"
