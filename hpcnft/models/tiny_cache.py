@@ -10,7 +10,7 @@ from typing import Callable
 
 SD3_DIRNAME, PICKSCORE_DIRNAME, FLUX_DIRNAME = "sd35_tiny", "pickscore_tiny", "flux1_tiny"
 QWEN_IMAGE_DIRNAME = "qwen_image_tiny"
-TINY_DIRNAMES = {"flux": FLUX_DIRNAME, "qwen_image": QWEN_IMAGE_DIRNAME}  # the tiny base models built alone
+FAMILY_DIRNAMES = {"flux": FLUX_DIRNAME, "qwen_image": QWEN_IMAGE_DIRNAME}  # the tiny base models built alone
 DONE_MARKER = "BUILD_COMPLETE"
 
 
@@ -32,7 +32,7 @@ def reads_pickscore_dir(cfg) -> bool:
 
 def tiny_models_used(cfg) -> tuple[bool, bool]:
     """Which tiny base models a config uses: (the tiny SD3.5 and PickScore, built together; the
-    family's own tiny model, TINY_DIRNAMES's: FLUX.1-dev, Qwen-Image), where the folder the config
+    family's own tiny model, FAMILY_DIRNAMES's: FLUX.1-dev, Qwen-Image), where the folder the config
     names is empty. The tiny PickScore only where a PickScore term reads models.pickscore_dir (no
     reward.terms: PickScore alone)."""
     m = cfg.models

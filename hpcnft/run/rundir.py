@@ -136,12 +136,12 @@ def default_run_dir(recipe: str) -> str:
 
 def tiny_models_needed(cfg) -> bool:
     """Whether this config uses a tiny model that is not built yet (without importing torch)."""
-    from hpcnft.models.tiny_cache import TINY_DIRNAMES, built, tiny_cache, tiny_models_used
+    from hpcnft.models.tiny_cache import FAMILY_DIRNAMES, built, tiny_cache, tiny_models_used
 
     cache = tiny_cache(cfg)
-    sd3_and_pickscore, own_tiny = tiny_models_used(cfg)
+    sd3_and_pickscore, own = tiny_models_used(cfg)
     return (sd3_and_pickscore and not built(cache)) or \
-        (own_tiny and not built(os.path.join(cache, TINY_DIRNAMES[cfg.models.family])))
+        (own and not built(os.path.join(cache, FAMILY_DIRNAMES[cfg.models.family])))
 
 
 def last_checkpoint_step(run_dir: str) -> int | None:
