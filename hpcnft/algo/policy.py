@@ -34,6 +34,17 @@ def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
             p.data = p.data.float()
 
 
+def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
+    """What train.finetune trains (LoRA adapters, or the whole DiT) set requires_grad, but for
+    the modules the DiT's output never reaches (the family's `unreached`), which stay frozen."""
+    if cfg.train.finetune == "lora":
+        add_lora(transformer, cfg)
+    else:
+        transformer.requires_grad_(True)
+    for module in family_of(transformer).unreached(transformer):  # no gradient reaches them
+        module.requires_grad_(False)
+
+
 class Policy:
     def __init__(self, cfg: Config, transformer: torch.nn.Module, device: torch.device, mesh):
         self.cfg, self.device = cfg, device
@@ -57,10 +68,7 @@ class Policy:
         from torch.distributed.fsdp import fully_shard
 
         cfg, tr = self.cfg.train, self.transformer
-        if cfg.finetune == "lora":
-            add_lora(self.transformer, self.cfg)
-        else:
-            tr.requires_grad_(True)
+        make_trainable(tr, self.cfg)
         # Frozen base weights live in the compute dtype; trained weights stay fp32 (master).
         if self.compute_dtype != torch.float32:
             for p in tr.parameters():

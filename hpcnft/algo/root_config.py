@@ -32,7 +32,7 @@ from hpcnft.common.config import DeterminismConfig, section, setting
 from hpcnft.common.errors import ConfigError
 from hpcnft.distributed.config import LayoutConfig, PreemptConfig
 from hpcnft.io.config import CheckpointConfig, DataConfig, LoggingConfig
-from hpcnft.models.config import FLUX_MAX_SEQUENCE_LENGTH, ModelsConfig
+from hpcnft.models.config import FLUX_MAX_SEQUENCE_LENGTH, QWEN_IMAGE_MAX_SEQUENCE_LENGTH, ModelsConfig
 from hpcnft.perf.config import BASE_WEIGHT_LEVERS, SD3_ONLY_LEVERS, PerfConfig
 from hpcnft.rewards.config import RewardConfig
 
@@ -107,6 +107,12 @@ class Config:
         if family == "flux" and r.max_sequence_length > FLUX_MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"rollout.max_sequence_length: FLUX's T5 takes at most {FLUX_MAX_SEQUENCE_LENGTH} "
                               f"tokens, got {r.max_sequence_length}")
+        if family == "qwen_image" and self.perf.attention_backend == "flash":
+            raise ConfigError("perf.attention_backend: flash attention takes no mask, and Qwen-Image's DiT masks the "
+                              "text padding (models.family=\"qwen_image\"); use efficient, cudnn, math or default")
+        if family == "qwen_image" and r.max_sequence_length > QWEN_IMAGE_MAX_SEQUENCE_LENGTH:
+            raise ConfigError(f"rollout.max_sequence_length: Qwen-Image's text encoder takes at most "
+                              f"{QWEN_IMAGE_MAX_SEQUENCE_LENGTH} tokens, got {r.max_sequence_length}")
         if self.perf.base_fp8_storage:
             self.check_fp8_storage()
         if self.perf.replicate_frozen_base and self.train.finetune != "lora":

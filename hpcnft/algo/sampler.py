@@ -167,14 +167,15 @@ def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Con
     b = x.shape[0]
     s = sigma.expand(b)
     with autocast():
-        if guidance_scale > 1.0 and family_of(transformer).cfg_guidance:
+        family = family_of(transformer)
+        if guidance_scale > 1.0 and family.cfg_guidance:
             v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
                              torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
                              torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
             v_neg, v_pos = v_all.float().chunk(2)
             if detach_uncond:
                 v_neg = v_neg.detach()
-            return v_neg + guidance_scale * (v_pos - v_neg)
+            return family.guide(v_neg, v_pos, guidance_scale)
         return velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps,
                         guidance_scale).float()
 

@@ -2,8 +2,10 @@
 
 Random weights at the real shapes (`--shapes sd35m`: the SD3.5-M DiT, the SD3.5 VAE and a
 PickScore-shaped CLIP-H; `sd35l`: SD3.5-Large's 8.1 B DiT; `flux1dev`: FLUX.1-dev's 11.9 B DiT
-in bf16 with FLUX's VAE, T5's 512 tokens, LoRA r64 and gradient checkpointing; nothing is
-downloaded) or at the tiny shapes (`--shapes tiny`, `tiny_flux`: run on a CPU). Each phase is
+in bf16 with FLUX's VAE, T5's 512 tokens, LoRA r64 and gradient checkpointing; `qwen_image`:
+Qwen-Image's 20.4 B DiT likewise, with its 3D VAE and 512 masked text tokens, built in host memory;
+nothing is downloaded) or at the tiny shapes (`--shapes tiny`, `tiny_flux`, `tiny_qwen_image`: run
+on a CPU). Each phase is
 timed after warm-up (CUDA events on a GPU, the median of the repeats), its FLOPs counted with
 FlopCounterMode's formulas (hpcnft.perf.mfu.FlopCount) over the phase itself (run eagerly once;
 not under a memory cap), and its

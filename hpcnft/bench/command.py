@@ -37,10 +37,11 @@ _algo_list = _names_of("algorithm", ALGOS)
 
 def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", choices=list(SHAPES), default="sd35m",
-                   help="random weights at real shapes, each with the SD3.5/FLUX VAE and PickScore's CLIP-H (need "
+                   help="random weights at real shapes, each with its family's VAE and PickScore's CLIP-H (need "
                         "CUDA): sd35m (SD3.5-Medium, fp16), sd35l (SD3.5-Large, fp16), flux1dev (FLUX.1-dev, bf16, "
-                        "LoRA r64, gradient checkpointing); or the tiny models (a CPU is fine): tiny (SD3), "
-                        "tiny_flux (FLUX.1-dev)")
+                        "LoRA r64, gradient checkpointing), qwen_image (Qwen-Image, bf16, LoRA r64, gradient "
+                        "checkpointing); or the tiny models (a CPU is fine): tiny (SD3), tiny_flux (FLUX.1-dev), "
+                        "tiny_qwen_image (Qwen-Image)")
     p.add_argument("--baseline", action="store_true",
                    help="also measure the plain diffusers + peft eager stack, and print the ratios")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here (rewritten after every phase)")
@@ -94,7 +95,7 @@ def main(name: str, args: argparse.Namespace) -> int:
 
     S = SHAPES[args.shapes]()
     if args.shapes in REAL_SHAPES and not torch.cuda.is_available():
-        tiny = "tiny_flux" if S.family == "flux" else "tiny"
+        tiny = {"flux": "tiny_flux", "qwen_image": "tiny_qwen_image"}.get(S.family, "tiny")
         raise UsageError(f"--shapes {args.shapes} needs a CUDA device and none is available "
                          f"(use --shapes {tiny} on a CPU)")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -3,13 +3,15 @@
 SD3 (SD3Transformer2DModel) as StableDiffusion3Pipeline calls it; FLUX.1 as FluxPipeline does:
 the latents packed 2x2 into tokens with their image ids and zero text ids, the DiT's time as
 sigma, the guidance value embedded (no classifier-free guidance), FluxPipeline's shifted sigma
-grid. Both families train on the unpacked latents with the same NFT loss."""
+grid; Qwen-Image as QwenImagePipeline does: the latents packed 2x2, the text mask and the image
+shapes, the time as sigma, its shifted sigma grid, the 3D VAE's latents mean and std undone. All
+train on the unpacked latents with the same NFT loss."""
 from __future__ import annotations
 
 import contextlib
 
-from hpcnft.bench.shapes import (TRAIN_K, Shapes, _torch, build_clip, build_dit, build_vae, clip_processor,
-                                 prompt_list, random_images, scheduler)
+from hpcnft.bench.shapes import (TRAIN_K, Shapes, _torch, build_clip, build_dit, build_dit_on_host, build_vae,
+                                 clip_processor, prompt_list, random_images, scheduler)
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 FLUX_GUIDANCE = 3.5  # FluxPipeline's default for FLUX.1-dev, as the flux1dev recipe's rollout.guidance_scale
@@ -45,7 +47,10 @@ class EagerStack:
             torch = _torch()
             from peft import LoraConfig
 
-            dit = build_dit(self.S, self.dev).to(self.dtype).eval().requires_grad_(False)
+            if self.S.host_build:  # cast on the host: the fp32 DiT outgrows the card
+                dit = build_dit_on_host(self.S).to(self.dtype).to(self.dev).eval().requires_grad_(False)
+            else:
+                dit = build_dit(self.S, self.dev).to(self.dtype).eval().requires_grad_(False)
             dit.add_adapter(LoraConfig(r=self.S.lora_rank, lora_alpha=self.S.lora_alpha, init_lora_weights="gaussian",
                                        target_modules=list(self.S.lora_targets)))
             for n, p in dit.named_parameters():
@@ -67,14 +72,14 @@ class EagerStack:
     def _sigma_grid(self):
         """The scheduler's sigmas as the family's pipeline sets them for num_steps steps."""
         sched = scheduler(self.S)
-        if not self.flux:
+        if self.S.family == "sd3":
             sched.set_timesteps(self.S.num_steps)
             return sched.sigmas
         import numpy as np
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift  # QwenImagePipeline's is the same
 
         _, h, w = self.S.latent_shape
-        c = sched.config  # FluxPipeline: linspace(1, 1/N, N), shifted by mu of the image's token count
+        c = sched.config  # FluxPipeline, QwenImagePipeline: linspace(1, 1/N, N), shifted by mu of the token count
         mu = calculate_shift((h // 2) * (w // 2), c.base_image_seq_len, c.max_image_seq_len, c.base_shift,
                              c.max_shift)
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.S.num_steps, self.S.num_steps), mu=mu)
@@ -99,11 +104,8 @@ class EagerStack:
         return torch.autocast(self.dev.type, dtype=self.dtype)
 
     def _cond(self, n: int, seed: int = 0):
-        torch = _torch()
-        g = torch.Generator().manual_seed(seed)
-        pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g)
-        pooled = torch.randn(n, self.S.pooled_width, generator=g)
-        return pe.to(self.dev, self.dtype), pooled.to(self.dev, self.dtype)
+        pe, pooled = self.S.conditioning(n, seed, self.dtype)  # Qwen-Image: its text mask for the pooled
+        return pe.to(self.dev), pooled.to(self.dev)
 
     def _latent(self, n: int, seed: int = 0):
         """VAE latents [n, 16, h, w] (FLUX's unpacked, as FluxPipeline draws its noise)."""
@@ -115,6 +117,8 @@ class EagerStack:
     def _velocity(self, x, sigma, pe, pooled):
         if self.flux:
             return self._flux_velocity(x, sigma, pe, pooled)
+        if self.S.family == "qwen_image":
+            return self._qwen_velocity(x, sigma, pe, pooled)
         return self.dit(hidden_states=x.to(self.dtype), timestep=sigma * 1000.0, encoder_hidden_states=pe,
                         pooled_projections=pooled, return_dict=False)[0]
 
@@ -135,6 +139,17 @@ class EagerStack:
         out = self.dit(hidden_states=tokens, timestep=sigma, guidance=guidance, pooled_projections=pooled,
                        encoder_hidden_states=pe, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         return FluxPipeline._unpack_latents(out, h * 8, w * 8, 8)
+
+    def _qwen_velocity(self, x, sigma, pe, mask):
+        """QwenImagePipeline's DiT call on unpacked latents: packed 2x2, the time as sigma, the text
+        mask and the image shapes, the velocity unpacked back."""
+        from diffusers import QwenImagePipeline
+
+        b, c, h, w = x.shape
+        tokens = QwenImagePipeline._pack_latents(x.to(self.dtype), b, c, h, w)
+        out = self.dit(hidden_states=tokens, timestep=sigma, encoder_hidden_states=pe, encoder_hidden_states_mask=mask,
+                       img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        return QwenImagePipeline._unpack_latents(out, h * 8, w * 8, 8)[:, :, 0]
 
     @contextlib.contextmanager
     def rollout_mode(self):
@@ -160,8 +175,15 @@ class EagerStack:
         torch = _torch()
         vae = self.vae
         with torch.no_grad():
-            z = latents.to(self.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-            img = vae.decode(z, return_dict=False)[0].float()
+            if self.S.family == "qwen_image":  # QwenImagePipeline: one frame, latents_mean / latents_std undone
+                c = vae.config.z_dim
+                mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, self.dtype)
+                inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(latents.device, self.dtype)
+                z = latents.to(self.dtype).unsqueeze(2) / inv_std + mean
+                img = vae.decode(z, return_dict=False)[0][:, :, 0].float()
+            else:
+                z = latents.to(self.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+                img = vae.decode(z, return_dict=False)[0].float()
             img = ((img / 2 + 0.5).clamp(0, 1) * 255.0).round().to(torch.uint8)
             return img.permute(0, 2, 3, 1).contiguous().cpu()
 

@@ -1,4 +1,4 @@
-"""The bench's shapes (real SD3.5-M, SD3.5-L and FLUX.1-dev, or tiny SD3 and FLUX) and its
+"""The bench's shapes (real SD3.5-M, SD3.5-L, FLUX.1-dev and Qwen-Image, or tiny ones) and its
 random-weight models, pipe and mesh. What differs between model families (the DiT's class, the
 text tokens and pooled width it takes, the scheduler, the VAE's latent) is the shapes' `family`
 (hpcnft.models.families)."""
@@ -13,6 +13,9 @@ LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
                 "attn.add_v_proj", "attn.to_add_out"]
 # FLUX.1-dev's recipe: both stream kinds' attention projections and the double-stream blocks' feed-forwards
 FLUX_LORA_TARGETS = LORA_TARGETS + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+# Qwen-Image's recipe: both streams' attention projections and feed-forwards
+QWEN_LORA_TARGETS = LORA_TARGETS + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+QWEN_PROMPT_TOKENS = 64  # the bench's Qwen-Image prompts: this many text tokens unmasked, the rest padding
 SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 # FLUX.1-dev's scheduler config: the sigma grid's shift grows with the image's token count
 FLUX_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -64,6 +67,7 @@ class Shapes:
     grad_checkpointing: bool = False  # every stack, the fast one included
     lora_targets: tuple = tuple(LORA_TARGETS)
     scheduler: dict = dataclasses.field(default_factory=lambda: dict(SD3_SCHEDULER))
+    host_build: bool = False  # the DiT built in host memory first (Qwen-Image's fp32 copy outgrows an 80 GB card)
 
     @property
     def samples(self) -> int:
@@ -79,12 +83,27 @@ class Shapes:
 
     @property
     def pooled_width(self) -> int:
-        return self.dit["pooled_projection_dim"]
+        """The second conditioning tensor's width: the pooled embedding's, Qwen-Image's text mask's."""
+        return self.text_tokens if self.family == "qwen_image" else self.dit["pooled_projection_dim"]
+
+    def conditioning(self, n: int, seed: int, dtype):
+        """Random prompt embeddings [n, L, D] and a pooled embedding, in `dtype`; Qwen-Image's mask for the latter."""
+        torch = _torch()
+        g = torch.Generator().manual_seed(seed)
+        pe = torch.randn(n, self.text_tokens, self.dit["joint_attention_dim"], generator=g).to(dtype)
+        if self.family == "qwen_image":
+            mask = torch.zeros(n, self.text_tokens, dtype=torch.long)
+            mask[:, :min(QWEN_PROMPT_TOKENS, self.text_tokens)] = 1
+            return pe, mask
+        return pe, torch.randn(n, self.pooled_width, generator=g).to(dtype)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         """The VAE latent [C, h, w] of an image: the space of the sampler and the NFT loss (FLUX's
-        DiT packs it into tokens itself)."""
+        and Qwen-Image's DiTs pack it into tokens themselves)."""
+        if "z_dim" in self.vae:  # AutoencoderKLQwenImage: 2x per temporal-downsample entry
+            side = self.size // 2 ** len(self.vae["temperal_downsample"])
+            return (self.vae["z_dim"], side, side)
         side = self.size // 2 ** (len(self.vae["block_out_channels"]) - 1)
         return (self.vae["latent_channels"], side, side)
 
@@ -169,10 +188,36 @@ def tiny_flux_shapes() -> Shapes:
                                lora_targets=tuple(FLUX_LORA_TARGETS), scheduler=dict(TINY_FLUX_SCHEDULER))
 
 
-SHAPES = {"sd35m": sd35m_shapes, "sd35l": sd35l_shapes, "flux1dev": flux1dev_shapes, "tiny": tiny_shapes,
-          "tiny_flux": tiny_flux_shapes}
+def qwen_image_shapes() -> Shapes:
+    """Qwen-Image: the 20.4 B MMDiT (60 double-stream blocks of width 3072, text at Qwen2.5-VL's 3584), its 3D VAE,
+    512 text tokens, CLIP-H; bf16, LoRA r64 on 12 targets, checkpointing; built on the host (fp32: 82 GB)."""
+    from hpcnft.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER
+
+    S = flux1dev_shapes()
+    return dataclasses.replace(
+        S, name="qwen_image", recipe="qwen_image_pickscore", family="qwen_image",
+        dit=dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
+        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True]),
+        prompts=3, per_prompt=16, rollout_batches=(4, 8), micro_batches=(1, 2), lora_targets=tuple(QWEN_LORA_TARGETS),
+        scheduler=dict(QWEN_IMAGE_SCHEDULER), host_build=True)
+
+
+def tiny_qwen_image_shapes() -> Shapes:
+    """The tiny Qwen-Image (hpcnft.models.tiny_qwen_image) at the tiny shapes: its paths on a CPU."""
+    from hpcnft.models.tiny_dims import TINY_QWEN_IMAGE_TRANSFORMER
+    from hpcnft.models.tiny_qwen_image import QWEN_IMAGE_SCHEDULER, TINY_QWEN_VAE
+
+    return dataclasses.replace(tiny_shapes(), name="tiny_qwen_image", recipe="tiny_qwen_image", family="qwen_image",
+                               dit=dict(TINY_QWEN_IMAGE_TRANSFORMER), vae=dict(TINY_QWEN_VAE), precision="bf16",
+                               lora_targets=tuple(QWEN_LORA_TARGETS), scheduler=dict(QWEN_IMAGE_SCHEDULER))
+
+
+SHAPES = {"sd35m": sd35m_shapes, "sd35l": sd35l_shapes, "flux1dev": flux1dev_shapes, "qwen_image": qwen_image_shapes,
+          "tiny": tiny_shapes, "tiny_flux": tiny_flux_shapes, "tiny_qwen_image": tiny_qwen_image_shapes}
 # What each needs: the real shapes a CUDA device, the tiny ones run on a CPU
-REAL_SHAPES = ("sd35m", "sd35l", "flux1dev")
+REAL_SHAPES = ("sd35m", "sd35l", "flux1dev", "qwen_image")
 
 
 # -- random-weight models -------------------------------------------------------------------
@@ -241,11 +286,12 @@ def build_dit_on_host(S: Shapes):
 
 def build_vae(S: Shapes, dev):
     torch = _torch()
-    from diffusers import AutoencoderKL
+    import diffusers
 
+    cls = diffusers.AutoencoderKLQwenImage if "z_dim" in S.vae else diffusers.AutoencoderKL
     torch.manual_seed(1)
     with torch.device(dev):
-        return AutoencoderKL(**S.vae).eval().requires_grad_(False)
+        return cls(**S.vae).eval().requires_grad_(False)
 
 
 def build_clip(S: Shapes, dev):
@@ -306,9 +352,9 @@ def smooth_images(S: Shapes, n: int):
 
 # -- what the Learner needs around the models ------------------------------------------------------
 class _Pipe:
-    """What the Learner uses of a StableDiffusion3Pipeline or FluxPipeline: the scheduler, the VAE,
-    the DiT and encode_prompt (here: a fixed random embedding per prompt at the real text shapes,
-    returned as the family's pipeline returns it)."""
+    """What the Learner uses of the family's pipeline: the scheduler, the VAE, the DiT and
+    encode_prompt (here: a fixed random embedding per prompt at the real text shapes, returned as
+    the family's pipeline returns it)."""
 
     def __init__(self, transformer, vae, S: Shapes, dtype, device):
         self.transformer, self.vae, self.scheduler = transformer, vae, scheduler(S)
@@ -327,7 +373,7 @@ class _Pipe:
         pe, pooled = pe.to(dev, self.dtype), pooled.to(dev, self.dtype)
         if self.S.family == "flux":  # FluxPipeline.encode_prompt: (embeddings, pooled, text ids)
             return pe, pooled, torch.zeros(max_sequence_length, 3, device=dev, dtype=self.dtype)
-        return pe, None, pooled, None
+        return (pe, None) if self.S.family == "qwen_image" else (pe, None, pooled, None)  # Qwen: no padding, no mask
 
 
 _MESH = []

@@ -107,7 +107,8 @@ class HpcnftStack:
             from hpcnft.models.families import family_named
 
             mesh = world1_mesh(self.dev)
-            dit = build_dit_on_host(self.S) if self.host_build else build_dit(self.S, self.dev)
+            host = self.host_build or self.S.host_build
+            dit = build_dit_on_host(self.S) if host else build_dit(self.S, self.dev)
             self._policy = Policy(self.cfg, dit, self.dev, mesh)
             self.algorithm = algorithm_for(self.cfg)  # algo.name's
             self.trainer = self.algorithm.make_trainer(self._policy, None, 1)
@@ -159,11 +160,7 @@ class HpcnftStack:
         return make_score_fn(self.cfg, {"pickscore": self.scorer})  # the bench's config: PickScore alone
 
     def _cond(self, n: int, seed: int = 0):
-        torch = _torch()
-        g = torch.Generator().manual_seed(seed)
-        pe = torch.randn(n, self.S.text_tokens, self.S.dit["joint_attention_dim"], generator=g).to(self.dtype)
-        pooled = torch.randn(n, self.S.pooled_width, generator=g).to(self.dtype)
-        return pe, pooled
+        return self.S.conditioning(n, seed, self.dtype)
 
     def _latent(self, n: int, seed: int = 0):
         """Unpacked VAE latents, as the sampler and the NFT loss hold them (FLUX's too)."""
@@ -190,10 +187,12 @@ class HpcnftStack:
 
     def vae_decode(self, b: int):
         from hpcnft.algo.sampler import decode_to_uint8
+        from hpcnft.models.families import family_named
 
         latents = self._latent(b).to(self.dev)
-        vae = self.vae
-        return (lambda: decode_to_uint8(vae, latents, self.cfg.rollout.uint8_rounding)), contextlib.nullcontext
+        vae, family = self.vae, family_named(self.S.family)
+        return (lambda: decode_to_uint8(vae, latents, self.cfg.rollout.uint8_rounding, family=family)), \
+            contextlib.nullcontext
 
     def pickscore(self, n: int):
         images, prompts = random_images(self.S, n), prompt_list(n)

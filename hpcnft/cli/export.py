@@ -87,16 +87,13 @@ def load_transformer(ckpt_path: str, cfg, policy: str):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hpcnft.algo.policy import add_lora
+    from hpcnft.algo.policy import make_trainable
     from hpcnft.io.checkpoint import SafeReader
     from hpcnft.models.loading import load_base_pipeline, resolve_model_paths
 
     pipe = load_base_pipeline(cfg, resolve_model_paths(cfg).base, torch.float32, torch.device("cpu"))
     tr = pipe.transformer
-    if cfg.train.finetune == "lora":
-        add_lora(tr, cfg)
-    else:
-        tr.requires_grad_(True)
+    make_trainable(tr, cfg)
     trained = {n: p.detach() for n, p in tr.named_parameters() if p.requires_grad}
     state = {POLICIES[policy]: trained}
     with warnings.catch_warnings():

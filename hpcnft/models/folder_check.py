@@ -181,7 +181,27 @@ def _expected(key: str, root: str, sub: str, library: str, cls: str):
 
         raise ModelError(f"{key}: {os.path.join(sub, 'config.json')} in {root!r} does not build a {cls} "
                          f"({one_line(e)})") from None
-    return {k: list(v.shape) for k, v in state_tensors(model).items()}, aliases(model)
+    tensors, names = state_tensors(model), aliases(model)
+    if library == "transformers":
+        saved = saved_names(model, list(tensors))
+        tensors = {saved[k]: v for k, v in tensors.items()}
+        names = {saved.get(k, k): v | {saved.get(n, n) for n in v} for k, v in names.items()}
+    return {k: list(v.shape) for k, v in tensors.items()}, names
+
+
+def saved_names(model, names: list[str]) -> dict[str, str]:
+    """Each of the model's tensor names as save_pretrained writes it: transformers 5 reverts the
+    renamings it loads a class's checkpoints through (Qwen2.5-VL's model.language_model.* and
+    model.visual.* saved as model.* and visual.*)."""
+    import torch
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 renames nothing
+        return {n: n for n in names}
+    tags = {n: torch.empty(0, device="meta") for n in names}  # one object per name, followed through
+    back = {id(t): new for new, t in revert_weight_conversion(model, dict(tags)).items()}
+    return {n: back.get(id(t), n) for n, t in tags.items()}
 
 
 def check_tensors(key: str, root: str) -> None:

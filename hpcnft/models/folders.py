@@ -14,6 +14,8 @@ SD3_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json"
                 "tokenizer", "tokenizer_2", "tokenizer_3")
 FLUX_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                  "text_encoder/config.json", "text_encoder_2/config.json", "tokenizer", "tokenizer_2")
+QWEN_IMAGE_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
+                       "text_encoder/config.json", "tokenizer")
 PICKSCORE_REQUIRED = ("config.json",)
 PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
 
@@ -45,7 +47,7 @@ def check_folder(key: str, path: str, required: tuple[str, ...]) -> None:
 
 # transformer/config.json's (_class_name, num_layers) -> the real model it is (hpcnft bench --shapes)
 REAL_MODELS = {("SD3Transformer2DModel", 24): "sd35m", ("SD3Transformer2DModel", 38): "sd35l",
-               ("FluxTransformer2DModel", 19): "flux1dev"}
+               ("FluxTransformer2DModel", 19): "flux1dev", ("QwenImageTransformer2DModel", 60): "qwen_image"}
 
 
 def real_model(path: str) -> str:

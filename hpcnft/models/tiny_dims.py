@@ -1,6 +1,7 @@
-"""The tiny DiTs' configurations (SD3.5's and FLUX.1-dev's classes, scaled down), without torch:
+"""The tiny DiTs' configurations (SD3.5's, FLUX.1-dev's and Qwen-Image's classes,
+scaled down), without torch:
 the start's step estimate (run/estimate.py) reads them in the spawner, which imports no torch.
-models/tiny.py and models/tiny_flux.py build the models from them."""
+models/tiny.py, models/tiny_flux.py and models/tiny_qwen_image.py build the models from them."""
 
 # SD3.5 (SD3Transformer2DModel); the constraints tying it to the text encoders: models/tiny.py
 TINY_TRANSFORMER = dict(
@@ -30,5 +31,18 @@ TINY_FLUX_TRANSFORMER = dict(
     joint_attention_dim=64,
     pooled_projection_dim=32,
     guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
+    axes_dims_rope=(2, 2, 4),
+)
+
+# Qwen-Image (QwenImageTransformer2DModel, 60 double-stream blocks of 24 heads x 128 at full size);
+# its constraints: models/tiny_qwen_image.py
+TINY_QWEN_IMAGE_TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=64,
+    out_channels=16,
+    num_layers=2,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=32,
     axes_dims_rope=(2, 2, 4),
 )

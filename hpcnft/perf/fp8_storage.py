@@ -24,8 +24,9 @@ from hpcnft.common.tensors import linear_dtype
 from hpcnft.perf.fp8 import KEEP, quantize_rows
 
 SCALE = "weight_scale"
-# The per-sample modulation linears (FLUX's single blocks name theirs norm.linear) stay as they are.
-KEEP_AS_LOADED = (*KEEP, "norm.")
+# The per-sample modulation linears (FLUX's single blocks name theirs norm.linear, Qwen-Image's
+# blocks img_mod.1 and txt_mod.1) stay as they are.
+KEEP_AS_LOADED = (*KEEP, "norm.", "img_mod.", "txt_mod.")
 
 
 def widen(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

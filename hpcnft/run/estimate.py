@@ -38,7 +38,7 @@ REAL_SIZE_PIXELS = 256 * 256
 class DitDims:
     """What the FLOP count needs of a DiT's config (diffusers' SD3Transformer2DModel or
     FluxTransformer2DModel config.json keys)."""
-    family: str  # "sd3" or "flux"
+    family: str  # "sd3", "flux" or "qwen_image"
     width: int  # num_attention_heads * attention_head_dim
     layers: int  # SD3: MMDiT blocks; FLUX: double-stream blocks
     single_layers: int  # FLUX's single-stream blocks (SD3: 0)
@@ -56,6 +56,8 @@ class DitDims:
 
     @classmethod
     def from_config(cls, family: str, c: dict) -> DitDims:
+        if family == "qwen_image":  # packed tokens in (in_channels), patch_size^2 * out_channels out
+            c = dict(c, patch_size=1, out_channels=c["patch_size"] ** 2 * (c.get("out_channels") or 16))
         return cls(family=family, width=c["num_attention_heads"] * c["attention_head_dim"], layers=c["num_layers"],
                    single_layers=c.get("num_single_layers", 0) if family == "flux" else 0,
                    dual_layers=len(c.get("dual_attention_layers") or ()), patch=c["patch_size"],
@@ -73,7 +75,7 @@ def text_tokens(family: str, max_sequence_length: int) -> int:
 
 
 def image_tokens(d: DitDims, height: int, width: int) -> int:
-    side = VAE_FACTOR * d.patch * (FLUX_PACK if d.family == "flux" else 1)
+    side = VAE_FACTOR * d.patch * (1 if d.family == "sd3" else FLUX_PACK)
     return (height // side) * (width // side)
 
 
@@ -214,11 +216,12 @@ def step_warning(cfg: Config, flops: StepFlops, *, tiny: bool, on_cpu: bool, wor
 def dit_dims(cfg: Config) -> tuple[DitDims | None, bool]:
     """(the DiT's dimensions or None where its config cannot be read, whether it is the tiny model)."""
     m = cfg.models
-    folder = m.sd3_dir if m.family == "sd3" else m.flux_dir
+    folder = getattr(m, f"{m.family}_dir")
     if not folder:
-        from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER, TINY_TRANSFORMER
+        from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER, TINY_QWEN_IMAGE_TRANSFORMER, TINY_TRANSFORMER
 
-        tiny = TINY_TRANSFORMER if m.family == "sd3" else TINY_FLUX_TRANSFORMER
+        tiny = {"sd3": TINY_TRANSFORMER, "flux": TINY_FLUX_TRANSFORMER,
+                "qwen_image": TINY_QWEN_IMAGE_TRANSFORMER}[m.family]
         return DitDims.from_config(m.family, tiny), True
     try:  # a folder the preflight will refuse gives no estimate (its refusal is the line to see)
         with open(os.path.join(folder, "transformer", "config.json"), encoding="utf-8") as f:

@@ -181,9 +181,9 @@ def truncation_warning(cfg, tr) -> str:
     n_cut, by_encoder = truncated_prompts(tr.pipe, prompts, cfg.rollout.max_sequence_length)
     if not n_cut:
         return ""
-    limits = {"CLIP": f"{tr.pipe.tokenizer_max_length} tokens",
-              "T5": f"rollout.max_sequence_length = {cfg.rollout.max_sequence_length} tokens"}
-    detail = ", ".join(f"{name} cuts {n} (over {limits[name]})" for name, n in by_encoder.items() if n)
+    limits = {"CLIP": f"{tr.pipe.tokenizer_max_length} tokens"}  # T5, Qwen2.5-VL: rollout.max_sequence_length
+    msl = f"rollout.max_sequence_length = {cfg.rollout.max_sequence_length} tokens"
+    detail = ", ".join(f"{name} cuts {n} (over {limits.get(name, msl)})" for name, n in by_encoder.items() if n)
     return (f"{n_cut} of {len(prompts)} prompts (train and eval) are longer than the text encoders take and are "
             f"truncated: {detail}")
 

@@ -33,6 +33,13 @@ def tiny_flux_run(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_image_run(tmp_path_factory) -> str:
+    """`hpcnft run tiny_qwen_image --steps 3` with a checkpoint after every step: the Qwen-Image twin."""
+    return shared_result(tmp_path_factory, "tiny-qwen-image-run",
+                         lambda d: finished_run(d, "tiny_qwen_image", *TINY_ARGS))
+
+
+@pytest.fixture(scope="session")
 def tiny_ema_run(tmp_path_factory) -> str:
     """`hpcnft run tiny --steps 2` evaluating the evaluation EMA of theta (eval.policy="ema", the
     official recipe's): the end-of-run evaluation and checkpoint at step 2, for export's tests."""

@@ -82,7 +82,7 @@ def test_bench_tiny_profile_writes_tables_and_a_summary(tiny_bench):
     assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::linear") for o in summary["rollout_forward"]["top_ops"])
 
 
-@pytest.mark.parametrize("shapes", ["sd35m", "sd35l", "flux1dev"])
+@pytest.mark.parametrize("shapes", ["sd35m", "sd35l", "flux1dev", "qwen_image"])
 def test_bench_real_shapes_without_cuda_is_one_line_usage_error(shapes):
     r = hpcnft("bench", "--shapes", shapes, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2
@@ -92,7 +92,7 @@ def test_bench_real_shapes_without_cuda_is_one_line_usage_error(shapes):
 def test_bench_help_lists_every_shapes():
     r = hpcnft("bench", "--help", timeout=120)
     assert r.returncode == 0, r.stderr
-    for name in ("sd35m", "sd35l", "flux1dev", "tiny", "tiny_flux"):
+    for name in ("sd35m", "sd35l", "flux1dev", "qwen_image", "tiny", "tiny_flux", "tiny_qwen_image"):
         assert name in r.stdout, r.stdout
 
 
@@ -131,6 +131,26 @@ def test_bench_tiny_flux_runs_the_plain_and_the_package_stacks(tmp_path):
     it = stacks["hpcnft_fast"]["phases"]["iteration"]
     assert it["flops"] > 0 and it["metrics"]["perf/iteration_s"] > 0 and it["metrics"]["train/nft_loss"] > 0
     assert "| iteration |" in r.stdout and "fast vs eager" in r.stdout
+
+
+@pytest.mark.slow
+def test_bench_tiny_qwen_image_runs_the_plain_and_the_package_stacks(tmp_path):
+    """The Qwen-Image paths of both stacks on a CPU (the text mask, the packed latents, the 3D VAE):
+    the same DiT work in both rollouts, an iteration of the package's."""
+    out = tmp_path / "bench.json"
+    r = hpcnft("bench", "--shapes", "tiny_qwen_image", "--baseline", "--no-default", "--json", out,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["shapes"] == "tiny_qwen_image" and not doc["errors"] and not doc["skipped"], doc
+    stacks = doc["stacks"]
+    assert set(stacks) == {"eager", "hpcnft_fast"} and stacks["eager"]["config"]["family"] == "qwen_image"
+    for key, rec in stacks.items():
+        for name, m in rec["phases"].items():
+            assert m["s"] > 0 and (name == "iteration" or m["flops"] > 0), (key, name, m)
+    flops = {key: rec["phases"]["rollout_fwd_b8"]["flops"] for key, rec in stacks.items()}
+    assert flops["eager"] == flops["hpcnft_fast"], flops
+    assert stacks["hpcnft_fast"]["phases"]["iteration"]["metrics"]["train/nft_loss"] > 0
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """`hpcnft export` writes what diffusers loads, and the loaded weights reproduce the policy: for
-each base-model family, its own diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline) with
+each base-model family, its own diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline,
+QwenImagePipeline) with
 `load_lora_weights`; the evaluation EMA (eval.policy="ema", the default --policy of such a run)
 reproduces the run's eval metric. An existing OUT is refused without --force, replaced only
 whole with it, and a failed export leaves nothing behind."""
@@ -26,7 +27,7 @@ from hpcnft.rewards.pickscore import PickScoreScorer
 class Sampler:
     """The family's plain diffusers pipeline with the exported adapters (`load_lora_weights`) and
     PickScore, sampling as the job does: the family's sigma grid, and its guidance (FLUX.1-dev
-    embeds rollout.guidance_scale in its one pass)."""
+    embeds rollout.guidance_scale in its one pass; Qwen-Image's true CFG is renormalised)."""
 
     def __init__(self, recipe: str, lora_dir: str):
         torch.set_num_threads(1)  # the run's determinism.cpu_threads
@@ -44,7 +45,7 @@ class Sampler:
         sigmas = self.family.sigma_grid(self.pipe.scheduler, num_steps, self.latent_shape)
         x0 = euler_sample(self.pipe.transformer, noise, sigmas, self.encode(texts), self.cfg.rollout.guidance_scale,
                           torch.float32, null_autocast)
-        return self.scorer(texts, decode_to_uint8(self.pipe.vae, x0))
+        return self.scorer(texts, decode_to_uint8(self.pipe.vae, x0, family=self.family))
 
 
 def rollout_reward_with(recipe: str, lora_dir: str, step: int) -> float:
@@ -74,11 +75,11 @@ def eval_pickscore_with(recipe: str, lora_dir: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny", "tiny_flux"])
+@pytest.mark.parametrize("recipe", ["tiny", "tiny_flux", "tiny_qwen_image"])
 def test_exported_old_policy_reproduces_the_next_rollout(recipe, request, tmp_path):
     """From the session's 3-step runs of each family, their checkpoint after step 2."""
     run_dir = request.getfixturevalue("tiny_run").run_dir if recipe == "tiny" else \
-        request.getfixturevalue("tiny_flux_run")
+        request.getfixturevalue(f"{recipe}_run")
     out = str(tmp_path / "lora")
     r = hpcnft("export", run_dir, out, "--step", "2", "--policy", "old")
     assert "step 2" in r.stdout

@@ -1,4 +1,4 @@
-"""Base-model families: what differs between SD3 and FLUX.1 (text encoders and prompt encoding,
+"""Base-model families: what differs between SD3, FLUX.1 and Qwen-Image (text encoders and prompt encoding,
 latent packing and image ids, timestep and guidance conditioning, the sampler's sigma grid, the
 pipeline class), behind one small interface (`base.Family`). The NFT math, the trainer, the
 layout, the run file and the checkpoints know only that interface.
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from hpcnft.models.families.base import Family
 from hpcnft.models.families.flux import FLUX
+from hpcnft.models.families.qwen_image import QWEN_IMAGE
 from hpcnft.models.families.sd3 import SD3
 
 # one per name of models.family's choices, hpcnft.models.config.FAMILIES (a test holds the two)
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE)}
 
 
 def family_named(name: str) -> Family:

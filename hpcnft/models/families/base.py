@@ -103,8 +103,19 @@ class Family:
         """The DiT's velocity at latents x [B, C, h, w] and flow time sigma [B], shaped like x."""
         raise NotImplementedError
 
+    def guide(self, v_neg: torch.Tensor, v_pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance's velocity from the negative and the conditional one (float32,
+        [B, C, h, w]), as the family's pipeline combines them."""
+        return v_neg + scale * (v_pos - v_neg)
+
     def prepare_dit(self, transformer) -> None:
         """Process-wide settings the family's DiT needs on its device (called once it is there)."""
+
+    def unreached(self, transformer) -> list[torch.nn.Module]:
+        """The DiT's modules whose parameters its output does not depend on (Qwen-Image's last
+        block's text stream): the policy keeps them frozen, as no gradient would reach them (and
+        an optimizer would keep no state for them, which a checkpoint then could not load)."""
+        return []
 
     def fsdp_blocks(self, transformer) -> list[torch.nn.Module]:
         """The DiT's repeated blocks, each its own FSDP2 unit."""

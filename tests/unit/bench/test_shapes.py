@@ -24,6 +24,7 @@ def _params(name: str) -> int:
     ("sd35m", "SD3Transformer2DModel", 2.24e9, 2.25e9),  # 2,243,171,520
     ("sd35l", "SD3Transformer2DModel", 8.05e9, 8.06e9),  # 8,056,627,520
     ("flux1dev", "FluxTransformer2DModel", 11.90e9, 11.91e9),  # 11,901,408,320
+    ("qwen_image", "QwenImageTransformer2DModel", 20.43e9, 20.44e9),  # 20,430,401,088
 ])
 def test_real_shape_dits_have_the_published_sizes(name, cls, low, high):
     assert type(build_dit(SHAPES[name](), torch.device("meta"))).__name__ == cls
@@ -36,7 +37,7 @@ def test_every_shapes_has_a_recipe_of_its_family_and_its_lora_targets():
         recipe = load_config(S.recipe)
         assert recipe.models.family == S.family, name
         assert list(S.lora_targets) == recipe.train.lora_targets, name  # the recipe's LoRA, in both stacks
-    assert set(REAL_SHAPES) == {"sd35m", "sd35l", "flux1dev"}
+    assert set(REAL_SHAPES) == {"sd35m", "sd35l", "flux1dev", "qwen_image"}
 
 
 def test_text_and_latent_shapes_follow_the_family():
@@ -106,6 +107,41 @@ def test_tiny_flux_plain_stack_calls_the_dit_as_the_flux_family_does():
         theirs = velocity(dit, x, sigma, pe, pooled, torch.float32, guidance=3.5)
     assert mine.shape == x.shape
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_qwen_image_shapes_are_its_recipes_with_a_masked_text_and_the_3d_vaes_latent():
+    S, tiny = SHAPES["qwen_image"](), SHAPES["tiny_qwen_image"]()
+    assert S.host_build and S.latent_shape == (16, 64, 64) and S.text_tokens == S.pooled_width == 512
+    cfg = bench_config(S, CUDA, fast_overrides(S, CUDA, []))
+    assert cfg.models.family == "qwen_image" and cfg.train.precision == "bf16" and cfg.train.grad_checkpointing
+    assert (cfg.rollout.max_sequence_length, cfg.rollout.guidance_scale, cfg.samples_per_step) == (512, 4.0, 48)
+    pe, mask = tiny.conditioning(2, 0, torch.float32)
+    assert pe.shape == (2, tiny.text_tokens, tiny.dit["joint_attention_dim"]) and mask.dtype == torch.long
+    assert tiny.latent_shape == (16, 8, 8)
+
+
+def test_tiny_qwen_image_plain_stack_calls_the_dit_and_the_vae_as_the_family_does():
+    """The eager stack's QwenImagePipeline-style DiT call (packed latents, mask, image shapes, time
+    as sigma), sigma grid and decode against hpcnft's Qwen-Image family, on the same weights."""
+    from hpcnft.algo.sampler import decode_to_uint8, velocity
+    from hpcnft.bench.eager import EagerStack
+    from hpcnft.bench.shapes import scheduler
+    from hpcnft.models.families import QWEN_IMAGE
+
+    S = SHAPES["tiny_qwen_image"]()
+    eager = EagerStack(S, CPU)
+    dit = eager.dit
+    eager.dit.disable_adapters()
+    torch.testing.assert_close(eager.sigmas, QWEN_IMAGE.sigma_grid(scheduler(S), S.num_steps, S.latent_shape))
+    x = eager._latent(3, seed=1)
+    pe, mask = eager._cond(3, seed=2)
+    sigma = eager.sigmas[[1, 4, 7]]
+    with torch.no_grad():
+        mine = eager._velocity(x, sigma, pe, mask)
+        theirs = velocity(dit, x, sigma, pe, mask, torch.float32)
+    assert mine.shape == x.shape
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    assert torch.equal(eager._decode(x[:1]), decode_to_uint8(eager.vae, x[:1], family=QWEN_IMAGE))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_flux"])

@@ -140,7 +140,7 @@ def test_flux_takes_at_most_512_t5_tokens():
 
 
 def test_an_unknown_family_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="models.family: 'sdxl' is not one of sd3, flux"):
+    with pytest.raises(ConfigError, match="models.family: 'sdxl' is not one of sd3, flux, qwen_image"):
         load_config("tiny", ["models.family=sdxl"])
 
 

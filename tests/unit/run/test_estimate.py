@@ -72,6 +72,26 @@ def test_the_count_is_torchs_flop_count_within_3_percent(family, dims, side, msl
     assert dit_forward_flops(d, image, text).total == pytest.approx(counter.get_total_flops(), rel=0.03)
 
 
+def test_qwen_images_count_is_torchs_flop_count_within_3_percent():
+    """Qwen-Image's DiT takes packed 2x2 tokens (in_channels 64) and gives patch_size^2 x 16 back."""
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcnft.models.tiny_dims import TINY_QWEN_IMAGE_TRANSFORMER as dims
+
+    d = DitDims.from_config("qwen_image", dims)
+    image, text = image_tokens(d, 128, 128), text_tokens("qwen_image", 32)
+    assert image == 64
+    torch.manual_seed(0)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        QwenImageTransformer2DModel(**dims)(hidden_states=torch.randn(1, image, 64), timestep=torch.tensor([0.5]),
+                                            encoder_hidden_states=torch.randn(1, text, dims["joint_attention_dim"]),
+                                            img_shapes=[[(1, 8, 8)]])
+    assert dit_forward_flops(d, image, text).total == pytest.approx(counter.get_total_flops(), rel=0.03)
+
+
 def test_sd35m_train_pair_is_the_benchs_count():
     # docs/bench/README.md: SD3.5-M's fp16 train pair, 7.88 TFLOP counted (no gradient
     # checkpointing), 355 GFLOP of attention per forward
@@ -146,7 +166,8 @@ def test_real_size_shapes_on_the_tiny_models_warn_on_a_gpu_too(gpu):
                               "models; ") and "models.sd3_dir" in warning and "CPU" not in warning
 
 
-@pytest.mark.parametrize("recipe", ["tiny", "tiny_learns", "tiny_flux", "tiny_official", "tiny_multireward"])
+@pytest.mark.parametrize("recipe", ["tiny", "tiny_learns", "tiny_flux", "tiny_qwen_image", "tiny_official",
+                                    "tiny_multireward"])
 def test_the_tiny_recipes_start_without_notes(recipe, cpu):
     assert startup_notes(load_config(recipe), recipe) == []
 
@@ -204,7 +225,7 @@ def test_the_notes_print_once_per_job(tmp_path, monkeypatch, capsys, cpu, launch
     assert (out, err) == ("", "") or prints
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
 def test_the_text_tokens_are_each_familys_own(family):
     from hpcnft.models.families import family_named
     from hpcnft.run.estimate import text_tokens
