@@ -14,6 +14,8 @@ SD3_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json"
                 "tokenizer", "tokenizer_2", "tokenizer_3")
 FLUX_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                  "text_encoder/config.json", "text_encoder_2/config.json", "tokenizer", "tokenizer_2")
+WAN_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
+                "text_encoder/config.json", "tokenizer")
 PICKSCORE_REQUIRED = ("config.json",)
 PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
 

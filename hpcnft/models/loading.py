@@ -44,14 +44,14 @@ def resolve_model_paths(cfg) -> ModelPaths:
     """Model folders from the config; the tiny models (built on first use) where a path is empty."""
     family, m = base_family(cfg), cfg.models
     base, ps = family.model_dir(m), m.pickscore_dir
-    sd3_and_pickscore, flux = tiny_models_used(cfg)
+    sd3_and_pickscore, own = tiny_models_used(cfg)
     if sd3_and_pickscore:
         from hpcnft.models.tiny import ensure_tiny_models
 
         tiny_sd3, tiny_ps = ensure_tiny_models(tiny_cache(cfg))
         base = base or (tiny_sd3 if family.name == "sd3" else "")
         ps = ps or tiny_ps
-    if flux:
+    if own:  # the family's own tiny model (FLUX.1-dev's, Wan's)
         base = ensure_tiny(tiny_cache(cfg), family.tiny_dirname, family.build_tiny)
     return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 

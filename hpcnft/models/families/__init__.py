@@ -10,9 +10,10 @@ from __future__ import annotations
 from hpcnft.models.families.base import Family
 from hpcnft.models.families.flux import FLUX
 from hpcnft.models.families.sd3 import SD3
+from hpcnft.models.families.wan import WAN
 
 # one per name of models.family's choices, hpcnft.models.config.FAMILIES (a test holds the two)
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, WAN)}
 
 
 def family_named(name: str) -> Family:
