@@ -34,6 +34,8 @@ class RolloutConfig:
     guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
     height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
+    num_frames: int = setting(1, "video frames per sample (models.family=\"wan\": 1 + 4k, Wan2.1's VAE's 4x in "
+                                 "time); 1: an image (the image families)", bound="> 0", at_most=1024)
     max_sequence_length: int = setting(256, "T5 tokens (FLUX: at most 512)", bound="> 0")
     batch_size: int = setting(8, "samples per DiT forward, and per chunk sent to the reward rank; at most the "
                                  "samples of a step", bound="> 0", at_most=MAX_CHUNK)
@@ -51,8 +53,9 @@ class RolloutConfig:
             if getattr(self, key) % 16:
                 raise ConfigError(f"rollout.{key}: must be a multiple of 16, got {getattr(self, key)}")
         # a chunk within what the reward service takes (its sides and count are the keys' own limits)
-        if self.batch_size * self.height * self.width * 3 > MAX_CHUNK_BYTES:
-            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} images of {self.height}x{self.width} "
+        if self.batch_size * self.num_frames * self.height * self.width * 3 > MAX_CHUNK_BYTES:
+            what = f"videos of {self.num_frames} frames" if self.num_frames > 1 else "images"
+            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} {what} of {self.height}x{self.width} "
                               f"is more than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
         samples = self.prompts_per_step * self.samples_per_prompt
         if self.batch_size > samples:

@@ -214,6 +214,8 @@ def step_warning(cfg: Config, flops: StepFlops, *, tiny: bool, on_cpu: bool, wor
 def dit_dims(cfg: Config) -> tuple[DitDims | None, bool]:
     """(the DiT's dimensions or None where its config cannot be read, whether it is the tiny model)."""
     m = cfg.models
+    if m.family not in ("sd3", "flux"):  # Wan's video DiT: no step estimate yet
+        return None, False
     folder = m.sd3_dir if m.family == "sd3" else m.flux_dir
     if not folder:
         from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER, TINY_TRANSFORMER

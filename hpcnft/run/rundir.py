@@ -30,8 +30,8 @@ def check_input(cfg, world_size: int | None = None) -> None:
             check_layout(cfg, world_size)
         except ConfigError as e:
             raise UsageError(str(e)) from None
-    from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED, ModelError,
-                                       check_folder)
+    from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, SD3_REQUIRED,
+                                       WAN_REQUIRED, ModelError, check_folder)
 
     try:
         train = read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
@@ -41,6 +41,8 @@ def check_input(cfg, world_size: int | None = None) -> None:
             check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
         if m.flux_dir:
             check_folder("models.flux_dir", m.flux_dir, FLUX_REQUIRED)
+        if m.wan_dir:
+            check_folder("models.wan_dir", m.wan_dir, WAN_REQUIRED)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
         if m.pickscore_processor_dir or m.pickscore_dir:
@@ -63,10 +65,12 @@ def check_model_files(cfg) -> None:
     a missing shard or a foreign tokenizer is refused here, before any rank starts."""
     from hpcnft.models.folder_check import check_files, check_processor
 
+    from hpcnft.models.tiny_cache import base_dir
+
     m = cfg.models
-    base = m.flux_dir if m.family == "flux" else m.sd3_dir
+    base = base_dir(m)
     if base:
-        check_files(f"models.{'flux' if m.family == 'flux' else 'sd3'}_dir", base)
+        check_files(f"models.{m.family}_dir", base)
     if m.pickscore_dir:
         check_files("models.pickscore_dir", m.pickscore_dir)
         check_processor("models.pickscore_processor_dir", m.pickscore_processor_dir or m.pickscore_dir,
@@ -81,7 +85,9 @@ def check_memory_budget(cfg) -> None:
     from hpcnft.models.folders import real_model
     from hpcnft.perf import memory
 
-    folder = cfg.models.flux_dir if cfg.models.family == "flux" else cfg.models.sd3_dir
+    from hpcnft.models.tiny_cache import base_dir
+
+    folder = base_dir(cfg.models)
     model = real_model(folder) if folder else ""
     refusal, note = memory.check_budget(memory.settings_of(cfg), model or "these models", cfg.perf.memory_budget_gib,
                                         memory.rungs(model))
@@ -134,11 +140,12 @@ def default_run_dir(recipe: str) -> str:
 
 def tiny_models_needed(cfg) -> bool:
     """Whether this config uses a tiny model that is not built yet (without importing torch)."""
-    from hpcnft.models.tiny_cache import FLUX_DIRNAME, built, tiny_cache, tiny_models_used
+    from hpcnft.models.tiny_cache import FAMILY_DIRNAMES, built, tiny_cache, tiny_models_used
 
     cache = tiny_cache(cfg)
-    sd3_and_pickscore, flux = tiny_models_used(cfg)
-    return (sd3_and_pickscore and not built(cache)) or (flux and not built(os.path.join(cache, FLUX_DIRNAME)))
+    sd3_and_pickscore, own = tiny_models_used(cfg)
+    return (sd3_and_pickscore and not built(cache)) or \
+        (own and not built(os.path.join(cache, FAMILY_DIRNAMES[cfg.models.family])))
 
 
 def last_checkpoint_step(run_dir: str) -> int | None:
