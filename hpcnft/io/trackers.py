@@ -68,6 +68,13 @@ def _write_state(path: str, state: Mapping[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def animation_of(image: str | np.ndarray) -> str | None:
+    """The GIF saved beside a grid's PNG (a video step's: run/output.py's save_grid), if any."""
+    if isinstance(image, str) and image.endswith(".png") and os.path.exists(image[:-4] + ".gif"):
+        return image[:-4] + ".gif"
+    return None
+
+
 def _as_array(image: str | np.ndarray) -> np.ndarray:
     """An image file or an (H, W, 3) uint8 array -> the array."""
     if isinstance(image, np.ndarray):
@@ -178,7 +185,9 @@ class WandbTracker:
     def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
         if step <= self.shown_through:
             return
-        self.run.log({tag: self._wandb.Image(_as_array(image))}, step=step)
+        gif = animation_of(image)  # a video step's grid: the animation, which wandb plays
+        media = self._wandb.Video(gif, format="gif") if gif else self._wandb.Image(_as_array(image))
+        self.run.log({tag: media}, step=step)
 
     def close(self) -> None:
         self.run.finish()
