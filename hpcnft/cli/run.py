@@ -10,7 +10,7 @@ import os
 
 def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
-        p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, pickscore_tiny/ and the "
+        p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, wan21_tiny/, pickscore_tiny/ and the "
                                    "reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
     from hpcnft.common.recipe_files import recipe_names
@@ -31,10 +31,11 @@ def main(name: str, args) -> int:
 
         from hpcnft.rewards.registry import tiny_term_builders
 
-        from hpcnft.models.families import FLUX
+        from hpcnft.models.families import FLUX, WAN
 
         built = list(build_tiny_models(args.dir))
-        for name, build in {FLUX.tiny_dirname: FLUX.build_tiny, **tiny_term_builders()}.items():
+        for name, build in {FLUX.tiny_dirname: FLUX.build_tiny, WAN.tiny_dirname: WAN.build_tiny,
+                            **tiny_term_builders()}.items():
             folder = os.path.join(args.dir, name)
             shutil.rmtree(folder, ignore_errors=True)
             os.makedirs(folder)

@@ -65,3 +65,21 @@ def test_flow_grpo_trains_on_video_latents(tmp_path):
     hpcnft("run", "tiny_wan", "--steps", "1", "--run-dir", run_dir, "--set", "algo.name=flow_grpo")
     metrics = read_run(run_dir).metrics
     assert metrics["train/grad_norm"][0, 1] > 0 and np.isfinite(metrics["train/grpo_loss"][0, 1])
+
+
+def test_score_reads_the_video_grid_frame_by_frame_and_pools_each_video(uninterrupted, capsys):
+    """`hpcnft score RUN/samples/step_1.gif`: every cell's 5 frames against its prompt, then the
+    cell's video with its frames' scores pooled by the recipe's reward.frame_pooling (mean)."""
+    import json
+
+    from hpcnft.cli.main import main
+
+    gif = os.path.join(uninterrupted, "samples", "step_000001.gif")
+    assert main(["score", gif, "--recipe", "tiny_wan", "--term", "jpeg_compressibility", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["images"]
+    assert len(rows) == 16 * (5 + 1)
+    first = rows[:6]
+    assert [r["image"] for r in first] == [f"{gif}#0@{f}" for f in range(5)] + [f"{gif}#0"]
+    frames = [r["scores"]["jpeg_compressibility"] for r in first[:5]]
+    assert first[5]["frames"] == 5 and first[5]["scores"]["jpeg_compressibility"] == pytest.approx(np.mean(frames))
+    assert len({r["prompt"] for r in first}) == 1 and len(set(frames)) > 1
