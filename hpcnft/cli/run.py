@@ -10,8 +10,8 @@ import os
 
 def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
-        p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, wan21_tiny/, pickscore_tiny/ and the "
-                                   "reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
+        p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, wan21_tiny/, pickscore_tiny/ "
+                                   "and the reward terms' tiny models (clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
     from hpcnft.common.recipe_files import recipe_names
 

@@ -7,11 +7,11 @@ A TERM is a term name of the recipe's reward.terms or a kind with its defaults (
 `hpcnft reward-server`); without --term, every term of the recipe. A run's sample grid
 (RUN_DIR/samples/step_*.png) is scored cell by cell, each against the prompt it was generated
 from (hpcnft.cli.score_inputs). A file of frames (an animated GIF, a video run's grid step_*.gif)
-is scored frame by frame (`FILE@f`), and each video once more with its frames' scores pooled by
-the recipe's reward.frame_pooling, as a reward rank scores a video. Prints one line per image and term (`IMAGE  TERM  SCORE`), or
-with --json one JSON document; the terms' warnings (an image the OCR term could not read) go to
-stderr. A file that is not an image, a missing prompt or one a term cannot score exits 2 with
-one line."""
+is scored frame by frame (`FILE@f`), and each video once more with its frames' scores pooled by the
+recipe's reward.frame_pooling, as a reward rank scores a video. Prints one line per image and term
+(`IMAGE  TERM  SCORE`), or with --json one JSON document; the terms' warnings (an image the OCR
+term could not read) go to stderr. A file that is not an image, a missing prompt or one a term
+cannot score exits 2 with one line."""
 from __future__ import annotations
 
 import json
@@ -26,8 +26,9 @@ def add_arguments(name: str, p) -> None:
 
     kinds = ", ".join(k for k in TERM_KINDS if k != "remote")
     p.add_argument("images", nargs="+", metavar="IMAGE",
-                   help="image files (PNG, JPEG), or a run's sample grids (RUN_DIR/samples/step_*.png: each cell "
-                        "scored against the prompt it was generated from)")
+                   help="image files (PNG, JPEG; an animated GIF frame by frame), or a run's sample grids "
+                        "(RUN_DIR/samples/step_*.png, a video run's step_*.gif: each cell scored against the "
+                        "prompt it was generated from)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--prompt", help="the prompt of every image file")
     which.add_argument("--prompts", metavar="FILE",

@@ -16,7 +16,8 @@ FLUX_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 class ModelsConfig:
     family: str = setting(
         "sd3", "the base model's family: `sd3` (SD3.5-M, SD3.5-L; `models.sd3_dir`), `flux` (FLUX.1-dev; "
-        "`models.flux_dir`) or `wan` (Wan2.1 T2V, video; `models.wan_dir`); see [Base models](recipes.md#base-models-sd35-large-and-flux1-dev)", choices=FAMILIES)
+        "`models.flux_dir`) or `wan` (Wan2.1 T2V, video; `models.wan_dir`); see "
+        "[Base models](recipes.md#base-models-sd35-large-and-flux1-dev)", choices=FAMILIES)
     sd3_dir: str = setting("", "the SD3.5 model folder (diffusers layout); empty: the tiny SD3, built into "
                            "`models.tiny_cache` on first use")
     flux_dir: str = setting("", "the FLUX.1-dev model folder (diffusers layout); empty: the tiny FLUX")
