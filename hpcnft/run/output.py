@@ -112,7 +112,7 @@ GIF_FRAME_MS = 62  # a video grid's frame time: Wan2.1's 16 frames a second
 def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str]) -> str:
     """samples/step_<k>.png: a column per prompt, headed by its text. Videos ([n, F, H, W, 3]):
     the grid of each frame in turn as an animation, samples/step_<k>.gif (PIL's GIF writer,
-    looping), beside the PNG of their first frames (the still the trackers and `hpcnft score` read)."""
+    looping), beside the PNG of their first frames; the trackers show the GIF (io/trackers.py)."""
     from PIL import Image
 
     path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
