@@ -1,6 +1,7 @@
-"""Base-model families: what differs between SD3 and FLUX.1 (text encoders and prompt encoding,
-latent packing and image ids, timestep and guidance conditioning, the sampler's sigma grid, the
-pipeline class), behind one small interface (`base.Family`). The NFT math, the trainer, the
+"""Base-model families: what differs between SD3, FLUX.1 and Wan2.1 (text encoders and prompt
+encoding, latent packing and image ids, a video's frame axis and its decode, timestep and guidance
+conditioning, the sampler's sigma grid, the pipeline class), behind one small interface
+(`base.Family`). The NFT math, the trainer, the
 layout, the run file and the checkpoints know only that interface.
 
 The family of a DiT is known by its class (`family_of`), so that the sampler and the trainer need
