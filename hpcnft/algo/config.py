@@ -31,7 +31,8 @@ class RolloutConfig:
     prompts_per_step: int = setting(8, "P, the prompts of a step", bound="> 0")
     samples_per_prompt: int = setting(8, "G, the samples of each prompt (one advantage group)", bound="> 0")
     num_steps: int = setting(10, "sampler steps (the ODE's; Flow-GRPO's SDE's)", bound="> 0")
-    guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
+    guidance_scale: float = setting(1.0, "guidance: SD3's and Wan's CFG when > 1 (1.0: none); FLUX's embedded "
+                                          "guidance value")
     height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     num_frames: int = setting(1, "video frames per sample (models.family=\"wan\": 1 + 4k, Wan2.1's VAE's 4x in "
