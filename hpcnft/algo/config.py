@@ -58,6 +58,10 @@ class RolloutConfig:
             what = f"videos of {self.num_frames} frames" if self.num_frames > 1 else "images"
             raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} {what} of {self.height}x{self.width} "
                               f"is more than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
+        if self.batch_size * self.num_frames > MAX_CHUNK:  # each frame is an image to the terms
+            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} videos of {self.num_frames} frames is "
+                              f"{self.batch_size * self.num_frames} images for the reward terms, more than the "
+                              f"{MAX_CHUNK} a chunk may hold")
         samples = self.prompts_per_step * self.samples_per_prompt
         if self.batch_size > samples:
             raise ConfigError(f"rollout.batch_size: {self.batch_size} is more than the {samples} samples of a step")

@@ -111,3 +111,6 @@ def test_the_frame_count_is_checked_against_the_family():
         load_config("tiny", ["rollout.num_frames=5"])
     with pytest.raises(ConfigError, match="rollout.batch_size: a chunk of 4 videos of 1021 frames of 512x512 is"):
         load_config("tiny_wan", ["rollout.num_frames=1021", "rollout.height=512", "rollout.width=512"])
+    with pytest.raises(ConfigError, match="rollout.batch_size: a chunk of 8 videos of 1021 frames is 8168 images"):
+        load_config("tiny_wan", ["rollout.num_frames=1021", "rollout.batch_size=8", "rollout.height=16",
+                                 "rollout.width=16"])
