@@ -77,7 +77,7 @@ def gpu_policy(compiled: bool, *overrides: str):
     cfg = load_config("tiny", list(overrides))
     tr = tiny_lora_dit(cfg, base_dtype=torch.float16).eval().to("cuda")
     if compiled:
-        compiling.compile_blocks(tr)
+        compiling.compile_blocks(tr, list(tr.transformer_blocks))
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 

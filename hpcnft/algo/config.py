@@ -31,9 +31,12 @@ class RolloutConfig:
     prompts_per_step: int = setting(8, "P, the prompts of a step", bound="> 0")
     samples_per_prompt: int = setting(8, "G, the samples of each prompt (one advantage group)", bound="> 0")
     num_steps: int = setting(10, "sampler steps (the ODE's; Flow-GRPO's SDE's)", bound="> 0")
-    guidance_scale: float = setting(1.0, "guidance: SD3's CFG when > 1 (1.0: none); FLUX's embedded guidance value")
+    guidance_scale: float = setting(1.0, "guidance: SD3's and Wan's CFG when > 1 (1.0: none); FLUX's embedded "
+                                          "guidance value")
     height: int = setting(512, "image height in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
     width: int = setting(512, "image width in pixels, a multiple of 16", bound="> 0", at_most=MAX_SIDE)
+    num_frames: int = setting(1, "video frames per sample (models.family=\"wan\": 1 + 4k, Wan2.1's VAE's 4x in "
+                                 "time); 1: an image (the image families)", bound="> 0", at_most=1024)
     max_sequence_length: int = setting(256, "T5 tokens (FLUX: at most 512)", bound="> 0")
     batch_size: int = setting(8, "samples per DiT forward, and per chunk sent to the reward rank; at most the "
                                  "samples of a step", bound="> 0", at_most=MAX_CHUNK)
@@ -51,9 +54,14 @@ class RolloutConfig:
             if getattr(self, key) % 16:
                 raise ConfigError(f"rollout.{key}: must be a multiple of 16, got {getattr(self, key)}")
         # a chunk within what the reward service takes (its sides and count are the keys' own limits)
-        if self.batch_size * self.height * self.width * 3 > MAX_CHUNK_BYTES:
-            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} images of {self.height}x{self.width} "
+        if self.batch_size * self.num_frames * self.height * self.width * 3 > MAX_CHUNK_BYTES:
+            what = f"videos of {self.num_frames} frames" if self.num_frames > 1 else "images"
+            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} {what} of {self.height}x{self.width} "
                               f"is more than the reward service takes ({MAX_CHUNK_BYTES >> 20} MiB)")
+        if self.batch_size * self.num_frames > MAX_CHUNK:  # each frame is an image to the terms
+            raise ConfigError(f"rollout.batch_size: a chunk of {self.batch_size} videos of {self.num_frames} frames is "
+                              f"{self.batch_size * self.num_frames} images for the reward terms, more than the "
+                              f"{MAX_CHUNK} a chunk may hold")
         samples = self.prompts_per_step * self.samples_per_prompt
         if self.batch_size > samples:
             raise ConfigError(f"rollout.batch_size: {self.batch_size} is more than the {samples} samples of a step")

@@ -80,7 +80,8 @@ class Learner:
         self._server_totals = (0.0, 0.0)
         self.noise_ahead = NoiseAhead()
         self.ceiling = matmul_ceiling(topo.device, policy.compute_dtype)
-        self.latent_shape = self.family.latent_shape(pipe, cfg.rollout.height, cfg.rollout.width)
+        self.latent_shape = self.family.latent_shape(pipe, cfg.rollout.height, cfg.rollout.width,
+                                                     cfg.rollout.num_frames)
         self.sigmas = self.family.sigma_grid(pipe.scheduler, cfg.rollout.num_steps, self.latent_shape)
         self.eval_sigmas = self.family.sigma_grid(pipe.scheduler, cfg.eval.num_steps, self.latent_shape)
         cond = self.encoder(self.stream.for_step(1, 1))

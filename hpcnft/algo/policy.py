@@ -50,6 +50,7 @@ class Policy:
         self.cfg, self.device = cfg, device
         self.compute_dtype = AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
         self.transformer = transformer
+        self.blocks = family_of(transformer).fsdp_blocks(transformer)  # the DiT's repeated blocks
         self.base_storage = ""  # perf.base_fp8_storage: what the stored base holds, for the user
         self._prepare(mesh)
         levers.prepare_policy(self)  # perf levers applied at construction (regional compile)

@@ -5,7 +5,10 @@ A chunk's scores are a float32 table [n, T], one column per term: the training t
 rollout chunk, every term (eval-only ones too) for an evaluation chunk. The training reward of
 a sample is reward.scale * sum_t weight_t * score_t: the official DiffusionNFT code's sum of
 weighted scores (`multi_score`'s "avg"), no per-term normalisation; the advantages normalise
-the sum per prompt group as before."""
+the sum per prompt group as before.
+
+A video family's chunk is frames [n, F, H, W, 3]: every term scores each frame as an image (with
+its video's prompt) and the video's score is its frames' pooled by reward.frame_pooling."""
 from __future__ import annotations
 
 import torch
@@ -56,6 +59,20 @@ def make_score_fn(cfg: Config, terms: dict[str, object]):
             prompts, names = [eval_prompts[i] for i in ids], [t.name for t in columns["eval"]]
         else:
             prompts, names = stream.for_samples(step, ids, p, g), [t.name for t in columns["rollout"]]
+        if images.dim() == 5:  # videos: each frame scored as an image, then pooled per video
+            n, f = images.shape[:2]
+            frame_prompts = [p for p in prompts for _ in range(f)]
+            return torch.stack([pool_frames(terms[name](frame_prompts, images.flatten(0, 1)).to(torch.float32).cpu()
+                                            .reshape(n, f), cfg.reward.frame_pooling) for name in names], dim=1)
         return torch.stack([terms[name](prompts, images).to(torch.float32).cpu() for name in names], dim=1)
 
     return score
+
+
+def pool_frames(scores: torch.Tensor, how: str) -> torch.Tensor:
+    """[n, F] frame scores -> [n] video scores (reward.frame_pooling)."""
+    if how == "min":
+        return scores.amin(dim=1)
+    if how == "max":
+        return scores.amax(dim=1)
+    return scores.mean(dim=1)

@@ -113,6 +113,12 @@ class Config:
         if family == "qwen_image" and r.max_sequence_length > QWEN_IMAGE_MAX_SEQUENCE_LENGTH:
             raise ConfigError(f"rollout.max_sequence_length: Qwen-Image's text encoder takes at most "
                               f"{QWEN_IMAGE_MAX_SEQUENCE_LENGTH} tokens, got {r.max_sequence_length}")
+        if family == "wan" and r.num_frames % 4 != 1:
+            raise ConfigError(f"rollout.num_frames: Wan's VAE takes 1 + 4k frames (1, 5, 9, ..., 33, 81), "
+                              f"got {r.num_frames}")
+        if family != "wan" and r.num_frames != 1:
+            raise ConfigError(f"rollout.num_frames: models.family={family!r} makes images; frames need "
+                              f"models.family=\"wan\", got {r.num_frames}")
         if self.perf.base_fp8_storage:
             self.check_fp8_storage()
         if self.perf.replicate_frozen_base and self.train.finetune != "lora":

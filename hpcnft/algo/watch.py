@@ -10,7 +10,9 @@ THUMB_SIDE = 32  # images are compared as 32x32 RGB thumbnails: cheap, and blind
 
 def thumbnails(images: torch.Tensor, side: int = THUMB_SIDE) -> torch.Tensor:
     """uint8 [n, H, W, 3] -> float64 [n, 3 * side * side] in 0..1, each pixel the mean of its
-    area (adaptive average pooling)."""
+    area (adaptive average pooling); a video's frames [n, F, H, W, 3] -> [n, F * 3 * side * side]."""
+    if images.dim() == 5:
+        return thumbnails(images.flatten(0, 1), side).reshape(images.shape[0], -1)
     x = images.permute(0, 3, 1, 2).to(torch.float64) / 255.0
     return torch.nn.functional.adaptive_avg_pool2d(x, side).flatten(1)
 

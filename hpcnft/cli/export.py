@@ -1,8 +1,9 @@
 """`hpcnft export RUN OUT [--step K] [--policy ema|old|trained] [--force]`: the weights of a
 checkpoint as a folder diffusers loads directly: LoRA adapters as
 `pytorch_lora_weights.safetensors` (`pipe.load_lora_weights(OUT)` on the run's
-StableDiffusion3Pipeline or FluxPipeline), or, for a full fine-tune, a transformer folder
-(`SD3Transformer2DModel.from_pretrained(OUT)`, `FluxTransformer2DModel.from_pretrained(OUT)`).
+StableDiffusion3Pipeline, FluxPipeline or WanPipeline), or, for a full fine-tune, a transformer
+folder (`SD3Transformer2DModel.from_pretrained(OUT)`, `FluxTransformer2DModel...`,
+`WanTransformer3DModel...`).
 
 A checkpoint holds up to three sets of the trained parameters: theta (`trained`), the old policy
 pi_old the rollouts sample with (`old`), and with eval.policy="ema" the evaluation EMA of theta

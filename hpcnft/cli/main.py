@@ -19,7 +19,7 @@ DESCRIPTION = ("DiffusionNFT (or Flow-GRPO) fine-tuning of Stable Diffusion 3.5 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hpcnft.cli.run", "run the job (spawns the layout's ranks when no launcher is present)"),
     "submit": ("hpcnft.cli.submit", "submit a run through submitit (slurm, local or debug)"),
-    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3, FLUX, PickScore and reward-term model folders"),
+    "make-tiny": ("hpcnft.cli.run", "write the tiny SD3, FLUX, Wan, PickScore and reward-term model folders"),
     "make-weights": ("hpcnft.cli.make_weights", "write a real model's folder (SD3.5-M/L, FLUX.1-dev, PickScore) with "
                                                 "random weights, to rehearse a cluster before downloading"),
     "compare": ("hpcnft.cli.report", "compare the metric series of two runs or standards"),

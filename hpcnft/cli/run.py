@@ -11,8 +11,8 @@ import os
 def add_arguments(name: str, p) -> None:
     if name == "make-tiny":
         p.add_argument("dir", help="output folder; receives sd35_tiny/, flux1_tiny/, qwen_image_tiny/, "
-                                   "pickscore_tiny/ and the reward terms' tiny models (clip_l_tiny/, "
-                                   "aesthetic_tiny/, hpsv2_tiny/)")
+                                   "wan21_tiny/, pickscore_tiny/ and the reward terms' tiny models "
+                                   "(clip_l_tiny/, aesthetic_tiny/, hpsv2_tiny/)")
         return
     from hpcnft.common.recipe_files import recipe_names
 
@@ -32,10 +32,11 @@ def main(name: str, args) -> int:
 
         from hpcnft.rewards.registry import tiny_term_builders
 
-        from hpcnft.models.families import FLUX, QWEN_IMAGE
+        from hpcnft.models.families import FLUX, QWEN_IMAGE, WAN
 
         built = list(build_tiny_models(args.dir))
         for name, build in {FLUX.tiny_dirname: FLUX.build_tiny, QWEN_IMAGE.tiny_dirname: QWEN_IMAGE.build_tiny,
+                            WAN.tiny_dirname: WAN.build_tiny,
                             **tiny_term_builders()}.items():
             folder = os.path.join(args.dir, name)
             shutil.rmtree(folder, ignore_errors=True)

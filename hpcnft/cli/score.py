@@ -6,10 +6,12 @@ term's own preprocessing), under the recipe's determinism settings and CPU threa
 A TERM is a term name of the recipe's reward.terms or a kind with its defaults (as for
 `hpcnft reward-server`); without --term, every term of the recipe. A run's sample grid
 (RUN_DIR/samples/step_*.png) is scored cell by cell, each against the prompt it was generated
-from (hpcnft.cli.score_inputs). Prints one line per image and term (`IMAGE  TERM  SCORE`), or
-with --json one JSON document; the terms' warnings (an image the OCR term could not read) go to
-stderr. A file that is not an image, a missing prompt or one a term cannot score exits 2 with
-one line."""
+from (hpcnft.cli.score_inputs). A file of frames (an animated GIF, a video run's grid step_*.gif)
+is scored frame by frame (`FILE@f`), and each video once more with its frames' scores pooled by the
+recipe's reward.frame_pooling, as a reward rank scores a video. Prints one line per image and term
+(`IMAGE  TERM  SCORE`), or with --json one JSON document; the terms' warnings (an image the OCR
+term could not read) go to stderr. A file that is not an image, a missing prompt or one a term
+cannot score exits 2 with one line."""
 from __future__ import annotations
 
 import json
@@ -24,8 +26,9 @@ def add_arguments(name: str, p) -> None:
 
     kinds = ", ".join(k for k in TERM_KINDS if k != "remote")
     p.add_argument("images", nargs="+", metavar="IMAGE",
-                   help="image files (PNG, JPEG), or a run's sample grids (RUN_DIR/samples/step_*.png: each cell "
-                        "scored against the prompt it was generated from)")
+                   help="image files (PNG, JPEG; an animated GIF frame by frame), or a run's sample grids "
+                        "(RUN_DIR/samples/step_*.png, a video run's step_*.gif: each cell scored against the "
+                        "prompt it was generated from)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--prompt", help="the prompt of every image file")
     which.add_argument("--prompts", metavar="FILE",
@@ -79,6 +82,24 @@ def score_all(loaded: dict, items: list) -> list[dict]:
     return rows
 
 
+def pooled_videos(rows: list[dict], items: list, pooling: str) -> list[dict]:
+    """`rows` with, after each video's frames, the video's row: every term's frame scores pooled
+    (reward.frame_pooling), as the reward rank pools a video's."""
+    import torch
+
+    from hpcnft.algo.reward import pool_frames
+
+    out: list[dict] = []
+    for k, (row, item) in enumerate(zip(rows, items)):
+        out.append(row)
+        if item.video is not None and (k + 1 == len(items) or items[k + 1].video != item.video):
+            frames = [r for r, i in zip(rows, items) if i.video == item.video]
+            scores = {t: float(pool_frames(torch.tensor([[r["scores"][t] for r in frames]], dtype=torch.float32),
+                                           pooling)[0]) for t in row["scores"]}
+            out.append({"image": item.video, "prompt": item.prompt, "scores": scores, "frames": len(frames)})
+    return out
+
+
 def main(name: str, args) -> int:
     import torch
 
@@ -103,7 +124,7 @@ def main(name: str, args) -> int:
     loaded = load_terms(terms, cfg, torch.device(args.device))
     with collected() as warnings:
         try:
-            rows = score_all(loaded, items)
+            rows = pooled_videos(score_all(loaded, items), items, cfg.reward.frame_pooling)
         except ScoringFailed as e:
             print(f"hpcnft {name}: error: {e}", file=sys.stderr)
             return EXIT_FAILED

@@ -1,6 +1,8 @@
 """What `hpcnft score` scores: image files (PNG, JPEG or whatever else Pillow reads, 16-bit and
 transparent ones as `to_rgb` says) with the prompt of each, and the cells of a run's sample grids (RUN_DIR/samples/step_*.png) with the
 prompt each cell was generated from, found from the run's config and topology in its run.h5.
+A file of several frames (an animated GIF, a video run's grid RUN_DIR/samples/step_*.gif) is scored
+frame by frame, as a reward rank scores a video's frames, each frame an item of its video.
 Every problem is a UsageError of one line naming the file."""
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 
 from hpcnft.common.errors import UsageError, first_line
 
-GRID_NAME = re.compile(r"step_(\d+)\.png")
+GRID_NAME = re.compile(r"step_(\d+)\.(?:png|gif)")
 MAX_PIXELS = 8192 * 8192  # a side of the reward service's MAX_SIDE, squared
 
 
@@ -23,6 +25,25 @@ class Scored:
     label: str
     prompt: str | None
     image: np.ndarray  # uint8 [H, W, 3]
+    video: str | None = None  # a frame's: the label of its video (its scores pooled under it)
+
+
+def read_frames(path: str) -> list[np.ndarray]:
+    """Every frame of an image file (one for a still), each uint8 RGB [H, W, 3]."""
+    from PIL import Image, ImageSequence
+
+    first = read_image(path)  # its checks and errors
+    with Image.open(path) as im:
+        if getattr(im, "n_frames", 1) == 1:
+            return [first]
+        return [to_rgb(frame.copy(), path) for frame in ImageSequence.Iterator(im)]
+
+
+def as_frames(label: str, prompt: str | None, frames: list[np.ndarray]) -> list[Scored]:
+    """A still as itself; a video's frames as `label@f`, each an item of video `label`."""
+    if len(frames) == 1:
+        return [Scored(label, prompt, frames[0])]
+    return [Scored(f"{label}@{f}", prompt, frame, label) for f, frame in enumerate(frames)]
 
 
 def read_image(path: str) -> np.ndarray:
@@ -102,11 +123,12 @@ def grid_cells(path: str, run_dir: str) -> list[Scored]:
     g = cfg.rollout.samples_per_prompt
     ids = grid_sample_ids(cfg.samples_per_step, ranks, cfg.logging.sample_grid_images)
     cell_prompts = [prompts[i // g] for i in ids]
-    try:
-        images = cells_of(read_image(path), cell_prompts, cfg.rollout.height, cfg.rollout.width)
+    try:  # [frames, cells, H, W, 3]
+        cells = np.stack([cells_of(frame, cell_prompts, cfg.rollout.height, cfg.rollout.width)
+                          for frame in read_frames(path)])
     except ValueError as e:
         raise UsageError(f"{path}: {e} (the grid run {run_dir!r} would write at step {step})") from None
-    return [Scored(f"{path}#{k}", p, im) for k, (p, im) in enumerate(zip(cell_prompts, images))]
+    return [item for k, p in enumerate(cell_prompts) for item in as_frames(f"{path}#{k}", p, list(cells[:, k]))]
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None, n_files: int) -> list[str] | None:
@@ -142,5 +164,5 @@ def inputs(paths: list[str], prompt: str | None, prompts_file: str | None) -> li
     next_prompt = iter(prompts or [])  # by position: a file named twice takes a prompt each time
     out: list[Scored] = []
     for path in paths:
-        out += grid_cells(path, grids[path]) if grids[path] else [Scored(path, next(next_prompt), read_image(path))]
+        out += grid_cells(path, grids[path]) if grids[path] else as_frames(path, next(next_prompt), read_frames(path))
     return out

@@ -4,8 +4,9 @@ messages on the host (gloo), whatever the job's collective backend.
 A train rank sends each decoded chunk as soon as it exists and keeps generating; the reward
 rank scores chunk j while chunk j+1 is being made. Messages:
 
-  request  header int64[6] = (kind, step, n, H, W, 0), then uint8 images [n, H, W, 3] and
-           int64 sample indices [n]   (kind ROLLOUT or EVAL). DONE sends the header only, with
+  request  header int64[6] = (kind, step, n, H, W, F), then uint8 images [n, H, W, 3] (F = 0)
+           or videos' frames [n, F, H, W, 3] (F > 0, a video family's), and int64 sample indices
+           [n]   (kind ROLLOUT or EVAL). DONE sends the header only, with
            n = 1 when the run stops for preemption; ERROR adds a uint8[MSG_BYTES] message;
            SNAPSHOT asks the reward rank to write its RNG state into step's checkpoint.
   reply    header int64[5] = (status, n, busy_us, idle_us, preempt), then float32 scores [n, T]
@@ -109,14 +110,16 @@ def validate_header(h: list[int]) -> None:
     """Refuse a request header before anything is allocated for its payload."""
     if len(h) != 6:
         raise RewardServiceError(f"malformed request: header of {len(h)} values")
-    kind, step, n, height, width, _ = h
+    kind, step, n, height, width, frames = h
     if kind not in (ROLLOUT, EVAL, DONE, ERROR, SNAPSHOT):
         raise RewardServiceError(f"malformed request: unknown kind {kind}")
     if step < 0:
         raise RewardServiceError(f"malformed request: step {step}")
     if kind in (ROLLOUT, EVAL) and not (0 < n <= MAX_CHUNK and 0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE
-                                        and n * height * width * 3 <= MAX_CHUNK_BYTES):
-        raise RewardServiceError(f"malformed request: {n} images of {height}x{width} is out of bounds")
+                                        and 0 <= frames <= MAX_CHUNK
+                                        and n * max(frames, 1) * height * width * 3 <= MAX_CHUNK_BYTES):
+        what = f"videos of {frames} frames" if frames else "images"
+        raise RewardServiceError(f"malformed request: {n} {what} of {height}x{width} is out of bounds")
     if kind == DONE and n not in (0, 1):
         raise RewardServiceError(f"malformed request: end message with flag {n}")
 
@@ -154,8 +157,9 @@ class RemoteRewardClient:
         return dist.irecv(t, self.dst, group=self.group, tag=REPLY_TAG)
 
     def submit(self, kind: int, step: int, images: torch.Tensor, indices: list[int]) -> Pending:
-        n, h, w, _ = images.shape
-        header = torch.tensor([kind, step, n, h, w, 0], dtype=torch.int64)
+        n, h, w = images.shape[0], images.shape[-3], images.shape[-2]
+        frames = images.shape[1] if images.dim() == 5 else 0  # a video family's [n, F, H, W, 3]
+        header = torch.tensor([kind, step, n, h, w, frames], dtype=torch.int64)
         idx = torch.tensor(indices, dtype=torch.int64)
         works = [self._send(header, HEADER_TAG)]  # first: the reward rank posts the images' receive on it
         sent, imgs = self.images.isend(images, self.dst)
@@ -293,7 +297,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
     """The reward rank's loop: answer every train rank in `clients` until all said DONE, on the
     host group `group` (None: the world group, when it is gloo already); the images come on
     `images` (the host group by default).
-    `score_fn(kind, step, images uint8 [n,H,W,3], indices) -> float32 [n, columns[kind]]`, the
+    `score_fn(kind, step, images uint8 [n,H,W,3] (videos [n,F,H,W,3]), indices) -> float32 [n, columns[kind]]`, the
     images on the host (gloo) or on this rank's GPU (nccl). Returns
     busy/idle seconds, whether the train ranks stopped for preemption and, where a term's service
     stayed unreachable (OUTAGE), its line.
@@ -322,7 +326,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
         idle += now - last
         h = header.tolist()
         validate_header(h)
-        kind, step, n, height, width, _ = h
+        kind, step, n, height, width, frames = h
         if kind == DONE:
             preempted = preempted or bool(n)
             active.remove(ready)
@@ -338,7 +342,7 @@ def serve(clients: list[int], group, score_fn, snapshot_fn=None, preempt_flag=No
                 reply(ready, FAILED, 0, _encode_msg(f"{type(e).__name__}: {e}"))
                 raise
         else:
-            pixels = channel.recv((n, height, width, 3), ready)
+            pixels = channel.recv((n, frames, height, width, 3) if frames else (n, height, width, 3), ready)
             idx = recv(torch.empty(n, dtype=torch.int64), ready)
             if outage:
                 reply(ready, OUTAGE, n, torch.zeros((n, columns[kind])), _encode_msg(outage))

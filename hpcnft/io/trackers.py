@@ -68,6 +68,27 @@ def _write_state(path: str, state: Mapping[str, object]) -> None:
     os.replace(tmp, path)
 
 
+def animation_of(image: str | np.ndarray) -> str | None:
+    """The GIF saved beside a grid's PNG (a video step's: run/output.py's save_grid), if any."""
+    if isinstance(image, str) and image.endswith(".png") and os.path.exists(image[:-4] + ".gif"):
+        return image[:-4] + ".gif"
+    return None
+
+
+def _gif_summary(tag: str, path: str):
+    """A TensorBoard image summary holding a GIF file as it is (torch's add_video writes its videos
+    so, encoded by moviepy; the GIF is written already)."""
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    with Image.open(path) as im:
+        width, height = im.size
+    with open(path, "rb") as f:
+        data = f.read()
+    return Summary(value=[Summary.Value(tag=tag, image=Summary.Image(height=height, width=width, colorspace=3,
+                                                                     encoded_image_string=data))])
+
+
 def _as_array(image: str | np.ndarray) -> np.ndarray:
     """An image file or an (H, W, 3) uint8 array -> the array."""
     if isinstance(image, np.ndarray):
@@ -112,7 +133,11 @@ class TensorBoardTracker:
         self.last_logged = max(self.last_logged, step)
 
     def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
-        self._writer.add_image(tag, _as_array(image), step, dataformats="HWC")
+        gif = animation_of(image)
+        if gif:  # a video step's grid: the GIF's bytes as the image, which TensorBoard's page plays
+            self._writer._get_file_writer().add_summary(_gif_summary(tag, gif), step)  # as add_video does
+        else:
+            self._writer.add_image(tag, _as_array(image), step, dataformats="HWC")
         self._writer.flush()
 
     def close(self) -> None:
@@ -178,7 +203,9 @@ class WandbTracker:
     def log_image(self, step: int, tag: str, image: str | np.ndarray) -> None:
         if step <= self.shown_through:
             return
-        self.run.log({tag: self._wandb.Image(_as_array(image))}, step=step)
+        gif = animation_of(image)  # a video step's grid: the animation, which wandb plays
+        media = self._wandb.Video(gif, format="gif") if gif else self._wandb.Image(_as_array(image))
+        self.run.log({tag: media}, step=step)
 
     def close(self) -> None:
         self.run.finish()

@@ -16,6 +16,8 @@ FLUX_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json
                  "text_encoder/config.json", "text_encoder_2/config.json", "tokenizer", "tokenizer_2")
 QWEN_IMAGE_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                        "text_encoder/config.json", "tokenizer")
+WAN_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
+                "text_encoder/config.json", "tokenizer")
 PICKSCORE_REQUIRED = ("config.json",)
 PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
 

@@ -51,7 +51,7 @@ def resolve_model_paths(cfg) -> ModelPaths:
         tiny_sd3, tiny_ps = ensure_tiny_models(tiny_cache(cfg))
         base = base or (tiny_sd3 if family.name == "sd3" else "")
         ps = ps or tiny_ps
-    if own:
+    if own:  # the family's own tiny model (FLUX.1-dev's, Qwen-Image's, Wan's)
         base = ensure_tiny(tiny_cache(cfg), family.tiny_dirname, family.build_tiny)
     return ModelPaths(base, ps, m.pickscore_processor_dir or ps)
 

@@ -9,8 +9,9 @@ import tempfile
 from typing import Callable
 
 SD3_DIRNAME, PICKSCORE_DIRNAME, FLUX_DIRNAME = "sd35_tiny", "pickscore_tiny", "flux1_tiny"
-QWEN_IMAGE_DIRNAME = "qwen_image_tiny"
-FAMILY_DIRNAMES = {"flux": FLUX_DIRNAME, "qwen_image": QWEN_IMAGE_DIRNAME}  # the tiny base models built alone
+QWEN_IMAGE_DIRNAME, WAN_DIRNAME = "qwen_image_tiny", "wan21_tiny"
+# the tiny base models built alone
+FAMILY_DIRNAMES = {"flux": FLUX_DIRNAME, "qwen_image": QWEN_IMAGE_DIRNAME, "wan": WAN_DIRNAME}
 DONE_MARKER = "BUILD_COMPLETE"
 
 
@@ -32,13 +33,18 @@ def reads_pickscore_dir(cfg) -> bool:
 
 def tiny_models_used(cfg) -> tuple[bool, bool]:
     """Which tiny base models a config uses: (the tiny SD3.5 and PickScore, built together; the
-    family's own tiny model, FAMILY_DIRNAMES's: FLUX.1-dev, Qwen-Image), where the folder the config
-    names is empty. The tiny PickScore only where a PickScore term reads models.pickscore_dir (no
-    reward.terms: PickScore alone)."""
+    family's own tiny model, FLUX.1-dev's, Qwen-Image's or Wan's: FAMILY_DIRNAMES), where the folder the config
+    names is empty. The tiny PickScore only where a
+    PickScore term reads models.pickscore_dir (no reward.terms: PickScore alone)."""
     m = cfg.models
-    base = getattr(m, f"{m.family}_dir")
+    base = base_dir(m)
     tiny_pickscore = reads_pickscore_dir(cfg) and not m.pickscore_dir
-    return tiny_pickscore or (m.family == "sd3" and not base), m.family != "sd3" and not base
+    return tiny_pickscore or (m.family == "sd3" and not base), m.family in FAMILY_DIRNAMES and not base
+
+
+def base_dir(models_cfg) -> str:
+    """The base model's folder of models.family (models.sd3_dir, flux_dir, qwen_image_dir or wan_dir)."""
+    return getattr(models_cfg, f"{models_cfg.family}_dir")
 
 
 def built(path: str) -> bool:

@@ -46,3 +46,20 @@ TINY_QWEN_IMAGE_TRANSFORMER = dict(
     joint_attention_dim=32,
     axes_dims_rope=(2, 2, 4),
 )
+
+# Wan2.1 T2V (WanTransformer3DModel); its constraints: models/tiny_wan.py
+TINY_WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,  # rotary: 4 time, 4 height, 4 width dims
+    in_channels=16,
+    out_channels=16,
+    text_dim=64,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,  # 30 in Wan2.1-T2V-1.3B
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)

@@ -58,12 +58,13 @@ def inductor_options(perf) -> None:
     inductor.max_autotune_pointwise = bool(perf.inductor_autotune)
 
 
-def compile_blocks(transformer) -> None:
-    """Regional torch.compile: each DiT block compiled on its own (static shapes), the rest eager."""
+def compile_blocks(transformer, blocks) -> None:
+    """Regional torch.compile: each of the DiT's `blocks` compiled on its own (static shapes), the
+    rest eager."""
     if getattr(transformer, "_hpcnft_compiled", False):
         return
     _raise_recompile_limits()
-    # SD3's blocks, and FLUX's double-stream then single-stream blocks
-    for block in (*transformer.transformer_blocks, *getattr(transformer, "single_transformer_blocks", ())):
+    # SD3's blocks, FLUX's double-stream then single-stream blocks, Wan's blocks (Family.fsdp_blocks)
+    for block in blocks:
         compile_module(block)
     transformer._hpcnft_compiled = True

@@ -107,7 +107,7 @@ def _nested_fsdp(block) -> bool:
 def prepare_policy(policy) -> None:
     """Construction-time levers of a Policy (called at the end of Policy.__init__)."""
     perf = effective(policy.cfg)
-    nested_fsdp = any(_nested_fsdp(b) for b in policy.transformer.transformer_blocks)
+    nested_fsdp = any(_nested_fsdp(b) for b in policy.blocks)
     if perf.fused_lora:
         if nested_fsdp:
             # The fused path reads the LoRA weights directly, around FSDP2's per-linear unshard hooks.
@@ -127,7 +127,7 @@ def prepare_policy(policy) -> None:
                 "perf.skip_single_rank_fsdp=true")
             return
         compiling.inductor_options(perf)
-        compiling.compile_blocks(policy.transformer)
+        compiling.compile_blocks(policy.transformer, policy.blocks)
 
 
 # -- no-grad passes of the old policy ---------------------------------------------------------

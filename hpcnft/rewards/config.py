@@ -38,6 +38,9 @@ REWARD_TOKEN_ENV = "HPCNFT_REWARD_TOKEN"
 TOKEN_ENV = re.compile(r"HPCNFT_[A-Z0-9_]{1,100}")
 
 
+FRAME_POOLINGS = ("mean", "min", "max")
+
+
 @dataclass
 class RewardTermConfig:
     """One reward term (`[[reward.terms]]` in a recipe); see docs/rewards.md."""
@@ -65,6 +68,8 @@ class RewardTermConfig:
 
 @dataclass
 class RewardConfig:
+    frame_pooling: str = setting("mean", "a video's score from its frames' (every term scores each frame as an "
+                                 "image): their `mean`, `min` or `max`", choices=FRAME_POOLINGS)
     scale: float = setting(1.0, "training reward = scale × Σ weight × term over the training terms (−1: a control "
                                 "run that should lower it); `eval/<term>_*` report the plain term")
     terms: list[RewardTermConfig] = setting(

@@ -37,8 +37,8 @@ REAL_SIZE_PIXELS = 256 * 256
 @dataclass(frozen=True)
 class DitDims:
     """What the FLOP count needs of a DiT's config (diffusers' SD3Transformer2DModel or
-    FluxTransformer2DModel config.json keys)."""
-    family: str  # "sd3", "flux" or "qwen_image"
+    FluxTransformer2DModel config.json keys; QwenImageTransformer2DModel's, WanTransformer3DModel's)."""
+    family: str  # "sd3", "flux", "qwen_image" or "wan"
     width: int  # num_attention_heads * attention_head_dim
     layers: int  # SD3: MMDiT blocks; FLUX: double-stream blocks
     single_layers: int  # FLUX's single-stream blocks (SD3: 0)
@@ -47,15 +47,21 @@ class DitDims:
     in_channels: int
     out_channels: int
     joint_dim: int  # the text embeddings' width
+    ffn: int = 0  # Wan's feed-forward width (SD3's and FLUX's: 4x the width)
 
     def __post_init__(self):
         sizes = (self.width, self.layers, self.single_layers, self.dual_layers, self.patch, self.in_channels,
-                 self.out_channels, self.joint_dim)
+                 self.out_channels, self.joint_dim, self.ffn)
         if not all(type(v) is int and v >= 0 for v in sizes):
             raise ValueError(f"not a DiT's dimensions: {self}")
 
     @classmethod
     def from_config(cls, family: str, c: dict) -> DitDims:
+        if family == "wan":  # patches of (1, 2, 2): one latent frame deep
+            return cls(family=family, width=c["num_attention_heads"] * c["attention_head_dim"],
+                       layers=c["num_layers"], single_layers=0, dual_layers=0, patch=c["patch_size"][-1],
+                       in_channels=c["in_channels"], out_channels=c.get("out_channels") or c["in_channels"],
+                       joint_dim=c["text_dim"], ffn=c["ffn_dim"])
         if family == "qwen_image":  # packed tokens in (in_channels), patch_size^2 * out_channels out
             c = dict(c, patch_size=1, out_channels=c["patch_size"] ** 2 * (c.get("out_channels") or 16))
         return cls(family=family, width=c["num_attention_heads"] * c["attention_head_dim"], layers=c["num_layers"],
@@ -74,9 +80,11 @@ def text_tokens(family: str, max_sequence_length: int) -> int:
     return max_sequence_length + (CLIP_TOKENS if family == "sd3" else 0)
 
 
-def image_tokens(d: DitDims, height: int, width: int) -> int:
-    side = VAE_FACTOR * d.patch * (1 if d.family == "sd3" else FLUX_PACK)
-    return (height // side) * (width // side)
+def image_tokens(d: DitDims, height: int, width: int, frames: int = 1) -> int:
+    """The DiT's image tokens; a video's (Wan's) are those of each latent frame, (frames - 1)/4 + 1."""
+    side = VAE_FACTOR * d.patch * (FLUX_PACK if d.family in ("flux", "qwen_image") else 1)
+    latent_frames = (frames - 1) // 4 + 1 if d.family == "wan" else 1
+    return latent_frames * (height // side) * (width // side)
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,11 @@ def dit_forward_flops(d: DitDims, image: int, text: int) -> ForwardFlops:
     linear = 2 * image * d.in_channels * d.patch ** 2 * w  # patch embedding
     linear += 2 * text * d.joint_dim * w  # text embedding
     linear += 2 * image * w * d.patch ** 2 * d.out_channels  # output projection
-    if d.family == "sd3":
+    if d.family == "wan":  # self-attention (4 w^2), cross-attention's q and out (2 w^2) and the
+        # feed-forward (2 w ffn) on the image tokens, its k and v on the text; the text embedding's second layer
+        linear += 2 * text * w * w + d.layers * (2 * image * (6 * w * w + 2 * w * d.ffn) + 2 * text * 2 * w * w)
+        attention = d.layers * (4 * image ** 2 * w + 4 * image * text * w)
+    elif d.family == "sd3":
         linear += d.layers * 2 * 12 * w * w * image + (d.layers - 1) * 2 * 12 * w * w * text
         linear += 2 * 3 * w * w * text  # the last block: the text's q, k, v only
         linear += d.dual_layers * 2 * 4 * w * w * image  # the image-only attention's projections
@@ -132,8 +144,10 @@ def step_flops(cfg: Config, d: DitDims) -> StepFlops:
     """The DiT FLOPs of one iteration, all train ranks together (hpcnft.algo.iteration: the rollout
     samples, then the train step's pairs, K trained sigmas or transitions a sample)."""
     r, t = cfg.rollout, cfg.train
-    f = dit_forward_flops(d, image_tokens(d, r.height, r.width), text_tokens(d.family, r.max_sequence_length))
-    passes = 2 if d.family == "sd3" and r.guidance_scale > 1.0 else 1  # SD3's CFG: two; FLUX embeds it
+    f = dit_forward_flops(d, image_tokens(d, r.height, r.width, r.num_frames),
+                          text_tokens(d.family, r.max_sequence_length))
+    # SD3's and Wan's CFG: two passes; FLUX embeds its guidance
+    passes = 2 if d.family in ("sd3", "wan") and r.guidance_scale > 1.0 else 1
     rollout = cfg.samples_per_step * r.num_steps * passes * f.total
     pairs = cfg.samples_per_step * cfg.trained_steps  # the algorithm's K a sample
     forwards, backwards = spec_of(cfg.algo.name).pair_passes(cfg, passes)
@@ -215,13 +229,16 @@ def step_warning(cfg: Config, flops: StepFlops, *, tiny: bool, on_cpu: bool, wor
 # -- what the notes read off the machine and the model folders --------------------------------
 def dit_dims(cfg: Config) -> tuple[DitDims | None, bool]:
     """(the DiT's dimensions or None where its config cannot be read, whether it is the tiny model)."""
-    m = cfg.models
-    folder = getattr(m, f"{m.family}_dir")
-    if not folder:
-        from hpcnft.models.tiny_dims import TINY_FLUX_TRANSFORMER, TINY_QWEN_IMAGE_TRANSFORMER, TINY_TRANSFORMER
+    from hpcnft.models.tiny_cache import base_dir
 
-        tiny = {"sd3": TINY_TRANSFORMER, "flux": TINY_FLUX_TRANSFORMER,
-                "qwen_image": TINY_QWEN_IMAGE_TRANSFORMER}[m.family]
+    m = cfg.models
+    folder = base_dir(m)
+    if not folder:
+        from hpcnft.models.tiny_dims import (TINY_FLUX_TRANSFORMER, TINY_QWEN_IMAGE_TRANSFORMER, TINY_TRANSFORMER,
+                                             TINY_WAN_TRANSFORMER)
+
+        tiny = {"sd3": TINY_TRANSFORMER, "flux": TINY_FLUX_TRANSFORMER, "qwen_image": TINY_QWEN_IMAGE_TRANSFORMER,
+                "wan": TINY_WAN_TRANSFORMER}[m.family]
         return DitDims.from_config(m.family, tiny), True
     try:  # a folder the preflight will refuse gives no estimate (its refusal is the line to see)
         with open(os.path.join(folder, "transformer", "config.json"), encoding="utf-8") as f:

@@ -106,13 +106,24 @@ def reward_header(scale: float, terms) -> str:
     return f"reward = {total}" if scale == 1 else f"reward = {scale:g} x ({total})"
 
 
+GIF_FRAME_MS = 62  # a video grid's frame time: Wan2.1's 16 frames a second
+
+
 def save_grid(run_dir: str, step: int, images: torch.Tensor, prompts: list[str]) -> str:
-    """samples/step_<k>.png: a column per prompt, headed by its text."""
+    """samples/step_<k>.png: a column per prompt, headed by its text. Videos ([n, F, H, W, 3]):
+    the grid of each frame in turn as an animation, samples/step_<k>.gif (PIL's GIF writer,
+    looping), beside the PNG of their first frames; the trackers show the GIF (io/trackers.py)."""
     from PIL import Image
 
     path = os.path.join(run_dir, "samples", f"step_{step:06d}.png")
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if images.dim() == 5:
+            frames = [Image.fromarray(prompt_grid(images[:, f].numpy(), prompts)) for f in range(images.shape[1])]
+            frames[0].save(path)
+            gif = path[:-len(".png")] + ".gif"
+            frames[0].save(gif, save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
+            return path
         Image.fromarray(prompt_grid(images.numpy(), prompts)).save(path)
     except OSError as e:  # a write's own error names no file (a full disk: "[Errno 28]")
         raise OSError(e.errno, f"{path}: cannot write the sample grid ({e.strerror or e})") from None

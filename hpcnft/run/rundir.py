@@ -31,7 +31,7 @@ def check_input(cfg, world_size: int | None = None) -> None:
         except ConfigError as e:
             raise UsageError(str(e)) from None
     from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, QWEN_IMAGE_REQUIRED,
-                                       SD3_REQUIRED, ModelError, check_folder)
+                                       SD3_REQUIRED, WAN_REQUIRED, ModelError, check_folder)
 
     try:
         train = read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
@@ -43,6 +43,8 @@ def check_input(cfg, world_size: int | None = None) -> None:
             check_folder("models.flux_dir", m.flux_dir, FLUX_REQUIRED)
         if m.qwen_image_dir:
             check_folder("models.qwen_image_dir", m.qwen_image_dir, QWEN_IMAGE_REQUIRED)
+        if m.wan_dir:
+            check_folder("models.wan_dir", m.wan_dir, WAN_REQUIRED)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
         if m.pickscore_processor_dir or m.pickscore_dir:
@@ -65,8 +67,10 @@ def check_model_files(cfg) -> None:
     a missing shard or a foreign tokenizer is refused here, before any rank starts."""
     from hpcnft.models.folder_check import check_files, check_processor
 
+    from hpcnft.models.tiny_cache import base_dir
+
     m = cfg.models
-    base = getattr(m, f"{m.family}_dir")
+    base = base_dir(m)
     if base:
         check_files(f"models.{m.family}_dir", base)
     if m.pickscore_dir:
@@ -83,7 +87,9 @@ def check_memory_budget(cfg) -> None:
     from hpcnft.models.folders import real_model
     from hpcnft.perf import memory
 
-    folder = getattr(cfg.models, f"{cfg.models.family}_dir")
+    from hpcnft.models.tiny_cache import base_dir
+
+    folder = base_dir(cfg.models)
     model = real_model(folder) if folder else ""
     refusal, note = memory.check_budget(memory.settings_of(cfg), model or "these models", cfg.perf.memory_budget_gib,
                                         memory.rungs(model))

@@ -23,7 +23,7 @@ def _policy(compiled: bool, **perf):
     if perf.get("fused_lora"):
         fused_qkv.install_fused_lora(tr)
     if compiled:
-        compiling.compile_blocks(tr)
+        compiling.compile_blocks(tr, list(tr.transformer_blocks))
     return types.SimpleNamespace(cfg=cfg, transformer=tr)
 
 

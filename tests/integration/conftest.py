@@ -40,6 +40,13 @@ def tiny_qwen_image_run(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_wan_run(tmp_path_factory) -> str:
+    """`hpcnft run tiny_wan --steps 3` with a checkpoint after every step: the video twin of
+    `tiny_run`, for the Wan job's tests."""
+    return shared_result(tmp_path_factory, "tiny-wan-run", lambda d: finished_run(d, "tiny_wan", *TINY_ARGS))
+
+
+@pytest.fixture(scope="session")
 def tiny_ema_run(tmp_path_factory) -> str:
     """`hpcnft run tiny --steps 2` evaluating the evaluation EMA of theta (eval.policy="ema", the
     official recipe's): the end-of-run evaluation and checkpoint at step 2, for export's tests."""

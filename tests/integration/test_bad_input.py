@@ -49,6 +49,15 @@ def _case_missing_flux_folder(tmp):
     return ["tiny_flux", "--set", f"models.flux_dir={missing}"], ["models.flux_dir", missing]
 
 
+def _case_missing_wan_folder(tmp):
+    missing = "/nonexistent/Wan2.1-T2V-1.3B-Diffusers"
+    return ["tiny_wan", "--set", f"models.wan_dir={missing}"], ["models.wan_dir", missing]
+
+
+def _case_wan_frames_not_one_plus_four_k(tmp):
+    return ["tiny_wan", "--set", "rollout.num_frames=8"], ["rollout.num_frames", "1 + 4k", "got 8"]
+
+
 def _case_incomplete_model_folder(tmp):
     d = tmp / "models" / "sd3"
     d.mkdir(parents=True)
@@ -192,6 +201,8 @@ def _case_replicated_base_of_a_full_fine_tune(tmp):
 CASES = {
     "missing model folder": _case_missing_model_folder,
     "missing FLUX folder": _case_missing_flux_folder,
+    "missing Wan folder": _case_missing_wan_folder,
+    "Wan frames not 1 + 4k": _case_wan_frames_not_one_plus_four_k,
     "incomplete model folder": _case_incomplete_model_folder,
     "missing prompt file": _case_missing_prompt_file,
     "empty prompt file": _case_empty_prompt_file,

@@ -1,6 +1,6 @@
 """`hpcnft export` writes what diffusers loads, and the loaded weights reproduce the policy: for
 each base-model family, its own diffusers pipeline (StableDiffusion3Pipeline, FluxPipeline,
-QwenImagePipeline) with
+QwenImagePipeline, WanPipeline) with
 `load_lora_weights`; the evaluation EMA (eval.policy="ema", the default --policy of such a run)
 reproduces the run's eval metric. An existing OUT is refused without --force, replaced only
 whole with it, and a failed export leaves nothing behind."""
@@ -17,6 +17,7 @@ from hardening_tools import small_tmpfs
 from jobs import hpcnft
 from hpcnft.algo import shared_math
 from hpcnft.algo.prompts import PromptStream, read_prompt_file
+from hpcnft.algo.reward import pool_frames
 from hpcnft.algo.root_config import load_config
 from hpcnft.algo.sampler import PromptEncoder, decode_to_uint8, euler_sample, initial_noise, null_autocast
 from hpcnft.io.runfile import read_run
@@ -39,13 +40,19 @@ class Sampler:
         self.scorer = PickScoreScorer(*load_pickscore(paths.pickscore, paths.pickscore_processor, cpu), cpu)
         self.encode = PromptEncoder(self.pipe, r.max_sequence_length, cpu,
                                     cfg=r.guidance_scale > 1.0 and self.family.cfg_guidance)
-        self.latent_shape = self.family.latent_shape(self.pipe, r.height, r.width)
+        self.latent_shape = self.family.latent_shape(self.pipe, r.height, r.width, r.num_frames)
 
     def scores(self, texts: list[str], noise: torch.Tensor, num_steps: int) -> torch.Tensor:
         sigmas = self.family.sigma_grid(self.pipe.scheduler, num_steps, self.latent_shape)
         x0 = euler_sample(self.pipe.transformer, noise, sigmas, self.encode(texts), self.cfg.rollout.guidance_scale,
                           torch.float32, null_autocast)
-        return self.scorer(texts, decode_to_uint8(self.pipe.vae, x0, family=self.family))
+        images = decode_to_uint8(self.pipe.vae, x0, family=self.family)
+        if images.dim() == 5:  # a video's frames, scored each and pooled as the reward rank does
+            n, f = images.shape[:2]
+            frame_texts = [t for t in texts for _ in range(f)]
+            frame_scores = self.scorer(frame_texts, images.flatten(0, 1)).reshape(n, f)
+            return pool_frames(frame_scores, self.cfg.reward.frame_pooling)
+        return self.scorer(texts, images)
 
 
 def rollout_reward_with(recipe: str, lora_dir: str, step: int) -> float:
@@ -75,7 +82,7 @@ def eval_pickscore_with(recipe: str, lora_dir: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tiny", "tiny_flux", "tiny_qwen_image"])
+@pytest.mark.parametrize("recipe", ["tiny", "tiny_flux", "tiny_qwen_image", "tiny_wan"])
 def test_exported_old_policy_reproduces_the_next_rollout(recipe, request, tmp_path):
     """From the session's 3-step runs of each family, their checkpoint after step 2."""
     run_dir = request.getfixturevalue("tiny_run").run_dir if recipe == "tiny" else \

@@ -103,3 +103,19 @@ def test_tiny_learns_raises_jpeg_compressibility_per_pass_and_the_negated_reward
     passes_down = per_pass(down[COMPRESSIBILITY], per_pass_steps)
     assert passes_down[-1] < passes_down[0], passes_down
     assert down[COMPRESSIBILITY][0, 1] == up[COMPRESSIBILITY][0, 1]  # same start: only the training differs
+
+
+# -- the tiny_learns_video recipe: the same on Wan2.1's frames ------------------------------------
+def test_tiny_learns_video_raises_the_per_frame_jpeg_compressibility_per_pass(tmp_path):
+    """The tiny Wan job scores each of its 5 frames with the JPEG term and pools them per video
+    (reward.frame_pooling = "mean"): the video's mean rises over two passes by more than a step's
+    spread (docs/tiny_learns_video.png: six passes and the control)."""
+    per_pass_steps = steps_per_pass("tiny_learns_video")
+    run_dir = str(tmp_path / "tiny_learns_video")
+    hpcnft("run", "tiny_learns_video", "--steps", str(LEARNS_PASSES * per_pass_steps), "--run-dir", run_dir,
+           "--set", "eval.every=0", "--set", "eval.at_start=false", "--set", "eval.at_end=false",
+           "--set", "logging.sample_grid_every=0", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")
+    metrics = read_run(run_dir).metrics
+    passes = per_pass(metrics[COMPRESSIBILITY], per_pass_steps)
+    spread = metrics["rollout/reward/raw_std"][:, 1].mean()
+    assert passes[-1] - passes[0] > spread, (passes, spread)

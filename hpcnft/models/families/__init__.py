@@ -1,6 +1,7 @@
-"""Base-model families: what differs between SD3, FLUX.1 and Qwen-Image (text encoders and prompt encoding,
-latent packing and image ids, timestep and guidance conditioning, the sampler's sigma grid, the
-pipeline class), behind one small interface (`base.Family`). The NFT math, the trainer, the
+"""Base-model families: what differs between SD3, FLUX.1, Qwen-Image and Wan2.1 (text encoders
+and prompt encoding, latent packing and image ids, a video's frame axis and its decode, timestep
+and guidance conditioning, the sampler's sigma grid, the pipeline class), behind one small
+interface (`base.Family`). The NFT math, the trainer, the
 layout, the run file and the checkpoints know only that interface.
 
 The family of a DiT is known by its class (`family_of`), so that the sampler and the trainer need
@@ -11,9 +12,10 @@ from hpcnft.models.families.base import Family
 from hpcnft.models.families.flux import FLUX
 from hpcnft.models.families.qwen_image import QWEN_IMAGE
 from hpcnft.models.families.sd3 import SD3
+from hpcnft.models.families.wan import WAN
 
 # one per name of models.family's choices, hpcnft.models.config.FAMILIES (a test holds the two)
-FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (SD3, FLUX, QWEN_IMAGE, WAN)}
 
 
 def family_named(name: str) -> Family:

@@ -19,6 +19,10 @@ class Family:
     # True: rollout.guidance_scale > 1 means classifier-free guidance (two DiT passes); False: the
     # DiT embeds the guidance value itself (guidance-distilled) and is always called once.
     cfg_guidance: bool = True
+    # CFG's two halves in one DiT call ([negative, positive], SD3's pipeline), or two calls, the
+    # positive first (WanPipeline's: the same bits as it, which one call of twice the batch is not)
+    cfg_batched: bool = True
+    video: bool = False  # latents [C, F', h, w] with a frame axis, decoded to frames (rollout.num_frames)
 
     def owns(self, transformer) -> bool:
         import diffusers
@@ -83,8 +87,9 @@ class Family:
         raise NotImplementedError
 
     # -- latents, time and the DiT ---------------------------------------------------------
-    def latent_shape(self, pipe, height: int, width: int) -> tuple[int, int, int]:
-        """The VAE latent [C, h, w] of an image, the space the sampler and the NFT loss work in."""
+    def latent_shape(self, pipe, height: int, width: int, num_frames: int = 1) -> tuple[int, ...]:
+        """The VAE latent [C, h, w] of an image (a video family's [C, F', h, w] of `num_frames`),
+        the space the sampler and the NFT loss work in."""
         factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         return (pipe.vae.config.latent_channels, height // factor, width // factor)
 

@@ -282,3 +282,39 @@ def test_a_closed_wandb_run_is_whole_on_disk_at_once(tmp_path, offline):
                        env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[-2] == "[1, 2]"
+
+
+def video_grid(folder) -> tuple[str, str]:
+    """A video step's grid as run/output.py's save_grid leaves it: the PNG of the first frames
+    beside the GIF."""
+    from PIL import Image
+
+    frames = [Image.fromarray(np.roll(GRID, k, axis=1)) for k in range(3)]
+    png, gif = str(folder / "step_000002.png"), str(folder / "step_000002.gif")
+    frames[0].save(png)
+    frames[0].save(gif, save_all=True, append_images=frames[1:], duration=62, loop=0)
+    return png, gif
+
+
+def test_tensorboard_shows_a_video_steps_grid_as_its_gif(tmp_path):
+    png, gif = video_grid(tmp_path)
+    t = TensorBoardTracker(str(tmp_path), kept_through=-1)
+    t.log_image(2, "samples", png)
+    t.close()
+    (image,) = tensorboard_reader(str(tmp_path / "tensorboard")).Images("samples")
+    with open(gif, "rb") as f:
+        assert image.encoded_image_string == f.read() and (image.step, image.width, image.height) == (2, 40, 24)
+
+
+def test_wandb_plays_a_video_steps_grid_as_its_gif(tmp_path, offline):
+    """wandb gets a video grid's animation; an image grid stays an image."""
+    pytest.importorskip("wandb")
+    png, _ = video_grid(tmp_path)
+    t = WandbTracker(str(tmp_path), {})
+    t.log_row(2, ROWS[2])
+    t.log_image(2, "samples", png)
+    t.close()
+    (folder,) = wandb_offline_runs(str(tmp_path))
+    _, rows = wandb_history(folder)
+    assert rows[0]["samples"]["_type"] == "video-file" and rows[0]["samples"]["path"].endswith(".gif")
+    assert os.path.isfile(os.path.join(folder, "files", rows[0]["samples"]["path"]))

@@ -231,3 +231,38 @@ def test_the_text_tokens_are_each_familys_own(family):
     from hpcnft.run.estimate import text_tokens
 
     assert text_tokens(family, 256) == family_named(family).prompt_tokens(256)
+
+
+@pytest.mark.parametrize("frames, side, msl", [(5, 64, 16), (9, 128, 32)])
+def test_the_wan_count_is_torchs_flop_count_within_3_percent(frames, side, msl):
+    """Wan's video DiT: self-attention over every latent frame's tokens, cross-attention to the
+    text, its own feed-forward width."""
+    import diffusers
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hpcnft.models.tiny_dims import TINY_WAN_TRANSFORMER
+
+    dims = dict(TINY_WAN_TRANSFORMER, num_attention_heads=4, attention_head_dim=24, ffn_dim=224)  # width 96
+    d = DitDims.from_config("wan", dims)
+    image, text = image_tokens(d, side, side, frames), text_tokens("wan", msl)
+    assert image == ((frames - 1) // 4 + 1) * (side // 16) ** 2
+    torch.manual_seed(0)
+    dit = diffusers.WanTransformer3DModel(**dims)
+    x = torch.randn(1, 16, (frames - 1) // 4 + 1, side // 8, side // 8)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        dit(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=torch.randn(1, text, 64))
+    assert dit_forward_flops(d, image, text).total == pytest.approx(counter.get_total_flops(), rel=0.03)
+
+
+def test_a_wan_step_counts_its_frames_and_both_cfg_passes():
+    from hpcnft.models.tiny_dims import TINY_WAN_TRANSFORMER
+    from hpcnft.run.estimate import dit_dims
+
+    cfg, d = load_config("tiny_wan"), DitDims.from_config("wan", TINY_WAN_TRANSFORMER)
+    f = dit_forward_flops(d, image_tokens(d, 64, 64, 5), 16)
+    assert step_flops(cfg, d).rollout == 16 * 6 * 2 * f.total  # guidance 4.5: CFG's two passes
+    assert dit_dims(cfg) == (d, True)
+    longer = step_flops(load_config("tiny_wan", ["rollout.num_frames=9"]), d)
+    assert longer.rollout > step_flops(cfg, d).rollout
