@@ -89,7 +89,7 @@ class QwenImageFamily(Family):
     def prompt_tokens(self, max_sequence_length):
         return max_sequence_length
 
-    def latent_shape(self, pipe, height, width):
+    def latent_shape(self, pipe, height, width, num_frames=1):
         factor = 2 ** len(pipe.vae.temperal_downsample)  # QwenImagePipeline.vae_scale_factor
         return (pipe.vae.config.z_dim, height // factor, width // factor)
 
