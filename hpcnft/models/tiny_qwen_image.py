@@ -21,7 +21,7 @@ import torch
 
 from hpcnft.models.tiny import CHAR_COVERAGE, PROMPTS
 from hpcnft.models.tiny_dims import TINY_QWEN_IMAGE_TRANSFORMER
-from hpcnft.models.tiny_tokenizers import _bytes_to_unicode, finish_tokenizer_dir
+from hpcnft.models.tiny_tokenizers import _bytes_to_unicode, finish_tokenizer_dir, learn_merges
 
 REAL_VOCAB = 151_936  # Qwen2.5-VL's token embedding rows (its tokenizer's ids are all below)
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -70,28 +70,7 @@ def train_qwen_bpe(texts: list[str]) -> tuple[dict[str, int], list[str]]:
     from collections import Counter
 
     words = {tuple(w): f for w, f in sorted(Counter(_words(texts)).items())}
-    merges: list[tuple[str, str]] = []
-    while True:
-        pairs: Counter = Counter()
-        for w, f in words.items():
-            for a, b in zip(w, w[1:]):
-                pairs[(a, b)] += f
-        if not pairs:
-            break
-        best = min(pairs, key=lambda p: (-pairs[p], p))
-        merges.append(best)
-        new_words: dict = {}
-        for w, f in words.items():
-            out, i = [], 0
-            while i < len(w):
-                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
-                    out.append(w[i] + w[i + 1])
-                    i += 2
-                else:
-                    out.append(w[i])
-                    i += 1
-            new_words[tuple(out)] = new_words.get(tuple(out), 0) + f
-        words = new_words
+    merges = learn_merges(words)
     vocab_list = _bytes_to_unicode()
     seen = set(vocab_list)
     for a, b in merges:

@@ -44,25 +44,21 @@ def _clip_pretokenize(texts: list[str]) -> list[str]:
     return words
 
 
-def train_clip_bpe(texts: list[str], num_merges: int = 400) -> tuple[dict[str, int], list[str]]:
-    """Learn CLIP-style byte-level BPE merges with a small, fully deterministic pure-Python
-    learner (the `tokenizers` BpeTrainer breaks count ties in hash order, so its merges - and
-    hence token ids - change from run to run).  Returns (vocab, merges) laid out like CLIP's
-    vocab.json: 256 byte symbols, the same 256 + '</w>', merged tokens in merge order, then
-    <|startoftext|>, <|endoftext|> last."""
+def learn_merges(words: dict[tuple[str, ...], int], num_merges: int | None = None) -> list[tuple[str, str]]:
+    """BPE merges of `words` (symbol tuple -> count), deterministically: each merge the pair of the
+    highest count, ties in lexicographic order; `num_merges` of them, or (None) until no word has
+    two symbols left."""
     from collections import Counter
 
-    word_freq = Counter(_clip_pretokenize(texts))
-    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in sorted(word_freq.items())}
     merges: list[tuple[str, str]] = []
-    for _ in range(num_merges):
+    while num_merges is None or len(merges) < num_merges:
         pairs: Counter = Counter()
         for w, f in words.items():
             for a, b in zip(w, w[1:]):
                 pairs[(a, b)] += f
         if not pairs:
             break
-        best = min(pairs, key=lambda p: (-pairs[p], p))  # highest count, ties -> lexicographic
+        best = min(pairs, key=lambda p: (-pairs[p], p))
         merges.append(best)
         new_words: dict = {}
         for w, f in words.items():
@@ -76,6 +72,20 @@ def train_clip_bpe(texts: list[str], num_merges: int = 400) -> tuple[dict[str, i
                     i += 1
             new_words[tuple(out)] = new_words.get(tuple(out), 0) + f
         words = new_words
+    return merges
+
+
+def train_clip_bpe(texts: list[str], num_merges: int = 400) -> tuple[dict[str, int], list[str]]:
+    """Learn CLIP-style byte-level BPE merges with a small, fully deterministic pure-Python
+    learner (the `tokenizers` BpeTrainer breaks count ties in hash order, so its merges - and
+    hence token ids - change from run to run).  Returns (vocab, merges) laid out like CLIP's
+    vocab.json: 256 byte symbols, the same 256 + '</w>', merged tokens in merge order, then
+    <|startoftext|>, <|endoftext|> last."""
+    from collections import Counter
+
+    word_freq = Counter(_clip_pretokenize(texts))
+    words = {tuple(w[:-1]) + (w[-1] + "</w>",): f for w, f in sorted(word_freq.items())}
+    merges = learn_merges(words, num_merges)
 
     base = _bytes_to_unicode()
     vocab_list = base + [b + "</w>" for b in base]
