@@ -31,6 +31,7 @@ def test_flux_euler_matches_fluxpipeline_on_cuda(tmp_path):
     cuda = torch.device("cuda")
     (tmp_path / "flux").mkdir()
     pipe = FLUX.load(build_tiny_flux(str(tmp_path / "flux")), torch.float32, cuda)
+    pipe.transformer.to(cuda)  # the loader leaves the DiT on the host for the Policy to cast and move
     cond = PromptEncoder(pipe, 16, cuda, cfg=False)(["a fox sleeping under a tree in autumn"] * 2)
     shape = FLUX.latent_shape(pipe, 128, 128)
     noise = torch.randn((2, *shape), generator=torch.Generator().manual_seed(1)).to(cuda)
@@ -47,6 +48,7 @@ def test_a_flux_dit_on_cuda_turns_cudnn_attention_off(tmp_path):
 
     (tmp_path / "flux").mkdir()
     pipe = FLUX.load(build_tiny_flux(str(tmp_path / "flux")), torch.float32, torch.device("cuda"))
+    pipe.transformer.to("cuda")  # where the Policy moves it before prepare_dit
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:
         FLUX.prepare_dit(pipe.transformer)  # as the Policy does once the DiT is on its device

@@ -67,6 +67,7 @@ def test_wan_guided_euler_matches_wanpipeline_on_cuda(tmp_path):
     cuda = torch.device("cuda")
     (tmp_path / "wan").mkdir()
     pipe = WAN.load(build_tiny_wan(str(tmp_path / "wan")), torch.float32, cuda)
+    pipe.transformer.to(cuda)  # the loader leaves the DiT on the host for the Policy to cast and move
     cond = PromptEncoder(pipe, 16, cuda, cfg=True)(["a fox sleeping under a tree in autumn"] * 2)
     shape = WAN.latent_shape(pipe, 128, 128, 9)
     noise = torch.randn((2, *shape), generator=torch.Generator().manual_seed(1)).to(cuda)
