@@ -151,9 +151,12 @@ wait_pidfile() {  # wait_pidfile PIDFILE NAME: wait up to 10 s for a daemon to w
   log "$2 did not come up (no live pid in $1)"; return 1
 }
 
-any_alive() {  # any_alive PID...: at least one of them still exists
+any_alive() {  # any_alive PID...: at least one of them still runs (a zombie has exited: whoever
+  # adopted the daemon reaps it when it will, which in a container's PID 1 can be much later)
   local p
-  for p in "$@"; do kill -0 "$p" 2>/dev/null && return 0; done
+  for p in "$@"; do
+    kill -0 "$p" 2>/dev/null && [ "$(awk '{print $3}' /proc/"$p"/stat 2>/dev/null)" != Z ] && return 0
+  done
   return 1
 }
 
