@@ -15,7 +15,7 @@ test).
 `tiny_run`, `tiny_run_again`: the embedded default job, 3 steps, started once per session and
 shared by every test that only reads a finished run (see below).
 
-Parallel workers (pytest-xdist, `-n 3 --dist loadgroup`, as CI runs every tier): the tests of a
+Parallel workers (pytest-xdist, `-n 2 --dist loadgroup`, as CI runs every tier): the tests of a
 module stay on one worker (their module fixtures run once), the hpc tests of each cluster on one
 (`worker_group`: the one-node cluster's, and those that make nodes of network namespaces, one of
 which stops and starts a node), and the session's shared runs and tiny model cache are made once
