@@ -168,18 +168,16 @@ def guided_velocity(transformer, x: torch.Tensor, sigma: torch.Tensor, cond: Con
     s = sigma.expand(b)
     with autocast():
         family = family_of(transformer)
-        if guidance_scale > 1.0 and family.cfg_guidance and not family.cfg_batched:
-            v_pos = velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps).float()
-            v_neg = velocity(transformer, x, s, cond.neg_prompt_embeds, cond.neg_pooled, dtype,
-                             integer_timesteps).float()
-            if detach_uncond:
-                v_neg = v_neg.detach()
-            return family.guide(v_neg, v_pos, guidance_scale)
         if guidance_scale > 1.0 and family.cfg_guidance:
-            v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
-                             torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
-                             torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
-            v_neg, v_pos = v_all.float().chunk(2)
+            if family.cfg_batched:  # both halves in one call, [negative, positive]
+                v_all = velocity(transformer, torch.cat([x, x]), torch.cat([s, s]),
+                                 torch.cat([cond.neg_prompt_embeds, cond.prompt_embeds]),
+                                 torch.cat([cond.neg_pooled, cond.pooled]), dtype, integer_timesteps)
+                v_neg, v_pos = v_all.float().chunk(2)
+            else:  # two calls, the positive first
+                v_pos = velocity(transformer, x, s, cond.prompt_embeds, cond.pooled, dtype, integer_timesteps).float()
+                v_neg = velocity(transformer, x, s, cond.neg_prompt_embeds, cond.neg_pooled, dtype,
+                                 integer_timesteps).float()
             if detach_uncond:
                 v_neg = v_neg.detach()
             return family.guide(v_neg, v_pos, guidance_scale)

@@ -18,6 +18,8 @@ QWEN_IMAGE_REQUIRED = ("model_index.json", "transformer/config.json", "vae/confi
                        "text_encoder/config.json", "tokenizer")
 WAN_REQUIRED = ("model_index.json", "transformer/config.json", "vae/config.json", "scheduler",
                 "text_encoder/config.json", "tokenizer")
+# what each base-model family's folder must hold, by models.family (its key: models.<family>_dir)
+BASE_REQUIRED = {"sd3": SD3_REQUIRED, "flux": FLUX_REQUIRED, "qwen_image": QWEN_IMAGE_REQUIRED, "wan": WAN_REQUIRED}
 PICKSCORE_REQUIRED = ("config.json",)
 PROCESSOR_REQUIRED = ("preprocessor_config.json|processor_config.json",)  # "a|b": either
 

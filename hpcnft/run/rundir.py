@@ -30,21 +30,15 @@ def check_input(cfg, world_size: int | None = None) -> None:
             check_layout(cfg, world_size)
         except ConfigError as e:
             raise UsageError(str(e)) from None
-    from hpcnft.models.folders import (FLUX_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, QWEN_IMAGE_REQUIRED,
-                                       SD3_REQUIRED, WAN_REQUIRED, ModelError, check_folder)
+    from hpcnft.models.folders import BASE_REQUIRED, PICKSCORE_REQUIRED, PROCESSOR_REQUIRED, ModelError, check_folder
 
     try:
         train = read_prompt_file(cfg.data.train_prompts, "data.train_prompts")
         cfg.reward.check_prompts(train, read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts"))
         m = cfg.models
-        if m.sd3_dir:
-            check_folder("models.sd3_dir", m.sd3_dir, SD3_REQUIRED)
-        if m.flux_dir:
-            check_folder("models.flux_dir", m.flux_dir, FLUX_REQUIRED)
-        if m.qwen_image_dir:
-            check_folder("models.qwen_image_dir", m.qwen_image_dir, QWEN_IMAGE_REQUIRED)
-        if m.wan_dir:
-            check_folder("models.wan_dir", m.wan_dir, WAN_REQUIRED)
+        for family, required in BASE_REQUIRED.items():
+            if getattr(m, f"{family}_dir"):
+                check_folder(f"models.{family}_dir", getattr(m, f"{family}_dir"), required)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
         if m.pickscore_processor_dir or m.pickscore_dir:

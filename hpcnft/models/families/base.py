@@ -99,6 +99,15 @@ class Family:
         z = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0]
 
+    @staticmethod
+    def latents_unnormalised(vae, z: torch.Tensor) -> torch.Tensor:
+        """Latents [B, C, F, h, w] with the per-channel normalisation of a VAE that keeps
+        latents_mean and latents_std (Qwen-Image's, Wan's) undone, as their pipelines undo it."""
+        c = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(z.device, z.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(z.device, z.dtype)
+        return z / inv_std + mean
+
     def sigma_grid(self, scheduler, num_steps: int, latent_shape: tuple[int, int, int]) -> torch.Tensor:
         """The sampler's sigmas for `num_steps` steps, terminal 0 included (float32, CPU)."""
         raise NotImplementedError

@@ -96,11 +96,8 @@ class QwenImageFamily(Family):
     def decode(self, vae, latents):
         """QwenImagePipeline's: latents / (1 / std) + mean per channel, one frame, decoded, the
         frame axis dropped."""
-        z = latents.to(vae.dtype).unsqueeze(2)
-        c = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(z.device, z.dtype)
-        return vae.decode(z / inv_std + mean, return_dict=False)[0][:, :, 0]
+        z = self.latents_unnormalised(vae, latents.to(vae.dtype).unsqueeze(2))
+        return vae.decode(z, return_dict=False)[0][:, :, 0]
 
     def sigma_grid(self, scheduler, num_steps, latent_shape):
         """QwenImagePipeline's: linspace(1, 1/N, N) shifted by mu = calculate_shift(image tokens)

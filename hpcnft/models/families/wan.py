@@ -74,11 +74,7 @@ class WanFamily(Family):
 
     def decode(self, vae, latents):
         """[B, 3, F, H, W] of latents [B, C, F', h, w], latents_mean/std undone as WanPipeline does."""
-        z = latents.to(vae.dtype)
-        c = vae.config
-        mean = torch.tensor(c.latents_mean).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(c.latents_std).view(1, c.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        return vae.decode(z / inv_std + mean, return_dict=False)[0]
+        return vae.decode(self.latents_unnormalised(vae, latents.to(vae.dtype)), return_dict=False)[0]
 
     def sigma_grid(self, scheduler, num_steps, latent_shape):
         sched = euler_scheduler(scheduler)
