@@ -37,9 +37,10 @@ thread, on 512² images that show their prompt's text, at every shapes).
 `--profile DIR` adds a torch.profiler table and a kernel summary of the "hpcnft fast" rollout
 forward and train pairs.
 
-Modules: shapes (shapes, random-weight models), terms (the reward terms beside PickScore), timing,
-eager (the baseline stack), stack (the package's path), algo_stack (another algorithm's path), levers,
-report, profiling, run (Bench and the command line).
+Modules: shapes (shapes, inputs, pipe and mesh), random_models (the random-weight models), terms
+(the reward terms beside PickScore), timing, eager (the baseline stack), stack (the package's
+path), algo_stack (another algorithm's path), levers, report, profiling, run (Bench and the
+command line).
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-from hpcnft.bench.shapes import (TRAIN_K, Shapes, _torch, build_clip, build_dit, build_dit_on_host, build_vae,
-                                 clip_processor, prompt_list, random_images, scheduler)
+from hpcnft.bench.random_models import build_clip, build_dit, build_dit_on_host, build_vae, clip_processor
+from hpcnft.bench.shapes import TRAIN_K, Shapes, _torch, prompt_list, random_images, scheduler
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 FLUX_GUIDANCE = 3.5  # FluxPipeline's default for FLUX.1-dev, as the flux1dev recipe's rollout.guidance_scale

@@ -5,8 +5,9 @@ import contextlib
 import json
 
 from hpcnft.algo.config import AlgoConfig
-from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, build_clip, build_dit, build_dit_on_host, build_vae,
-                                 clip_processor, prompt_list, random_images, scheduler, smooth_images, world1_mesh)
+from hpcnft.bench.random_models import build_clip, build_dit, build_dit_on_host, build_vae, clip_processor
+from hpcnft.bench.shapes import (TRAIN_K, Shapes, _Pipe, _torch, prompt_list, random_images, scheduler, smooth_images,
+                                 world1_mesh)
 from hpcnft.common.errors import UsageError
 
 DEFAULT_ALGO = AlgoConfig().name  # the stacks' own algorithm (algo.name's default): every stack, levers, baseline

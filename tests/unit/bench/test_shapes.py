@@ -6,7 +6,8 @@ import torch
 
 from hpcnft.algo.root_config import load_config
 from hpcnft.bench.levers import expand_levers, fast_overrides
-from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, build_dit, build_dit_on_host
+from hpcnft.bench.random_models import build_dit, build_dit_on_host
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES
 from hpcnft.bench.stack import bench_config
 from hpcnft.common.errors import UsageError
 from hpcnft.perf.config import SD3_ONLY_LEVERS
