@@ -60,13 +60,19 @@ def make_score_fn(cfg: Config, terms: dict[str, object]):
         else:
             prompts, names = stream.for_samples(step, ids, p, g), [t.name for t in columns["rollout"]]
         if images.dim() == 5:  # videos: each frame scored as an image, then pooled per video
-            n, f = images.shape[:2]
-            frame_prompts = [p for p in prompts for _ in range(f)]
-            return torch.stack([pool_frames(terms[name](frame_prompts, images.flatten(0, 1)).to(torch.float32).cpu()
-                                            .reshape(n, f), cfg.reward.frame_pooling) for name in names], dim=1)
+            return torch.stack([score_videos(terms[name], prompts, images, cfg.reward.frame_pooling) for name in names],
+                               dim=1)
         return torch.stack([terms[name](prompts, images).to(torch.float32).cpu() for name in names], dim=1)
 
     return score
+
+
+def score_videos(term, prompts: list[str], videos: torch.Tensor, how: str) -> torch.Tensor:
+    """A term's float32 [n] scores of videos [n, F, H, W, 3]: each frame scored as an image with its
+    video's prompt, the frames' scores pooled per video (reward.frame_pooling)."""
+    n, f = videos.shape[:2]
+    frame_prompts = [p for p in prompts for _ in range(f)]
+    return pool_frames(term(frame_prompts, videos.flatten(0, 1)).to(torch.float32).cpu().reshape(n, f), how)
 
 
 def pool_frames(scores: torch.Tensor, how: str) -> torch.Tensor:

@@ -4,8 +4,10 @@ Random weights at the real shapes (`--shapes sd35m`: the SD3.5-M DiT, the SD3.5 
 PickScore-shaped CLIP-H; `sd35l`: SD3.5-Large's 8.1 B DiT; `flux1dev`: FLUX.1-dev's 11.9 B DiT
 in bf16 with FLUX's VAE, T5's 512 tokens, LoRA r64 and gradient checkpointing; `qwen_image`:
 Qwen-Image's 20.4 B DiT likewise, with its 3D VAE and 512 masked text tokens, built in host memory;
-nothing is downloaded) or at the tiny shapes (`--shapes tiny`, `tiny_flux`, `tiny_qwen_image`: run
-on a CPU). Each phase is
+`wan21_1_3b`: Wan2.1-T2V-1.3B's 1.4 B DiT on videos of 41 frames of 832x480 with its causal 3D VAE,
+UMT5's 512 tokens, LoRA r128 and gradient checkpointing, its VAE decode and PickScore per video
+(every frame scored, the mean per video); nothing is downloaded) or at the tiny shapes (`--shapes
+tiny`, `tiny_flux`, `tiny_qwen_image`, `tiny_wan`: run on a CPU). Each phase is
 timed after warm-up (CUDA events on a GPU, the median of the repeats), its FLOPs counted with
 FlopCounterMode's formulas (hpcnft.perf.mfu.FlopCount) over the phase itself (run eagerly once;
 not under a memory cap), and its
@@ -31,9 +33,10 @@ decode, PickScore of one iteration's images, the train pair (v_old + v_theta + b
 Trainer.step, micro-batch 4/16) and one whole
 iteration of the recipe (64 samples x 10 steps at 512 px, 64 decodes and PickScores, 576 pairs).
 `--phases reward_terms` (not a default phase) adds the other reward terms on one iteration's
-images in the fast stack: HPSv2, CLIP score, aesthetic (random-weight towers at the real shapes,
-fp32, as a job loads them), JPEG size and OCR (the real PP-OCRv4 of the `ocr` extra, on one CPU
-thread, on 512² images that show their prompt's text, at every shapes).
+images (the video shapes: as many frames, timed per frame) in the fast stack: HPSv2, CLIP score,
+aesthetic (random-weight towers at the real shapes, fp32, as a job loads them), JPEG size and OCR
+(the real PP-OCRv4 of the `ocr` extra, on one CPU thread, on 512² images that show their prompt's
+text, at every shapes).
 `--profile DIR` adds a torch.profiler table and a kernel summary of the "hpcnft fast" rollout
 forward and train pairs.
 

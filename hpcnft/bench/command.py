@@ -40,8 +40,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="random weights at real shapes, each with its family's VAE and PickScore's CLIP-H (need "
                         "CUDA): sd35m (SD3.5-Medium, fp16), sd35l (SD3.5-Large, fp16), flux1dev (FLUX.1-dev, bf16, "
                         "LoRA r64, gradient checkpointing), qwen_image (Qwen-Image, bf16, LoRA r64, gradient "
-                        "checkpointing); or the tiny models (a CPU is fine): tiny (SD3), tiny_flux (FLUX.1-dev), "
-                        "tiny_qwen_image (Qwen-Image)")
+                        "checkpointing), wan21_1_3b (Wan2.1-T2V-1.3B, videos of 41 frames of 832x480, bf16, LoRA "
+                        "r128, gradient checkpointing); or the tiny models (a CPU is fine): tiny (SD3), tiny_flux "
+                        "(FLUX.1-dev), tiny_qwen_image (Qwen-Image), tiny_wan (Wan2.1, 5 frames)")
     p.add_argument("--baseline", action="store_true",
                    help="also measure the plain diffusers + peft eager stack, and print the ratios")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON here (rewritten after every phase)")
@@ -95,7 +96,7 @@ def main(name: str, args: argparse.Namespace) -> int:
 
     S = SHAPES[args.shapes]()
     if args.shapes in REAL_SHAPES and not torch.cuda.is_available():
-        tiny = {"flux": "tiny_flux", "qwen_image": "tiny_qwen_image"}.get(S.family, "tiny")
+        tiny = {"flux": "tiny_flux", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}.get(S.family, "tiny")
         raise UsageError(f"--shapes {args.shapes} needs a CUDA device and none is available "
                          f"(use --shapes {tiny} on a CPU)")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

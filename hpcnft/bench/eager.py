@@ -4,8 +4,12 @@ SD3 (SD3Transformer2DModel) as StableDiffusion3Pipeline calls it; FLUX.1 as Flux
 the latents packed 2x2 into tokens with their image ids and zero text ids, the DiT's time as
 sigma, the guidance value embedded (no classifier-free guidance), FluxPipeline's shifted sigma
 grid; Qwen-Image as QwenImagePipeline does: the latents packed 2x2, the text mask and the image
-shapes, the time as sigma, its shifted sigma grid, the 3D VAE's latents mean and std undone. All
-train on the unpacked latents with the same NFT loss."""
+shapes, the time as sigma, its shifted sigma grid, the 3D VAE's latents mean and std undone; Wan2.1
+as WanPipeline does: the DiT on the video latents [B, 16, F', h, w] with the time as 1000 sigma and
+the UMT5 embeddings, classifier-free guidance (where the shapes guide) as two DiT calls, the
+conditional one first, the flow-shifted sigma grid, the latents mean and std undone and every frame
+decoded by the VAE in fp32 (its documented use); PickScore of each frame, the mean per video. All train on the unpacked latents with the
+same NFT loss."""
 from __future__ import annotations
 
 import contextlib
@@ -35,10 +39,16 @@ class EagerStack:
                        "lora_targets": list(S.lora_targets), "grad_checkpointing": S.grad_checkpointing}
         if self.flux:
             self.config["guidance"] = FLUX_GUIDANCE
+        if S.cfg_scale > 1.0:
+            self.config["cfg_scale"] = S.cfg_scale
+        if S.video:
+            self.config["num_frames"] = S.num_frames
+        if S.family == "wan":
+            self.config["vae_dtype"] = "fp32"
         self._dit = self._vae = self._clip = None
         self._ids = {}  # FLUX's image and text ids, by shape
         self.sigmas = None
-        self.k = int(S.num_steps * 0.99)  # the trained sigmas per sample (timestep_fraction 0.99)
+        self.k = S.trained_steps  # the trained sigmas per sample (the recipe's timestep_fraction)
 
     # lazily built parts
     @property
@@ -72,7 +82,7 @@ class EagerStack:
     def _sigma_grid(self):
         """The scheduler's sigmas as the family's pipeline sets them for num_steps steps."""
         sched = scheduler(self.S)
-        if self.S.family == "sd3":
+        if self.S.family in ("sd3", "wan"):  # WanPipeline's too: the scheduler's static flow shift
             sched.set_timesteps(self.S.num_steps)
             return sched.sigmas
         import numpy as np
@@ -87,8 +97,8 @@ class EagerStack:
 
     @property
     def vae(self):
-        if self._vae is None:
-            self._vae = build_vae(self.S, self.dev).to(self.dtype)
+        if self._vae is None:  # Wan's in fp32, as WanPipeline's documented use loads it beside the bf16 DiT
+            self._vae = build_vae(self.S, self.dev).to(_torch().float32 if self.S.family == "wan" else self.dtype)
         return self._vae
 
     @property
@@ -108,7 +118,8 @@ class EagerStack:
         return pe.to(self.dev), pooled.to(self.dev)
 
     def _latent(self, n: int, seed: int = 0):
-        """VAE latents [n, 16, h, w] (FLUX's unpacked, as FluxPipeline draws its noise)."""
+        """VAE latents [n, 16, h, w] (FLUX's unpacked, as FluxPipeline draws its noise; Wan's
+        [n, 16, F', h, w])."""
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
         return torch.randn(n, *self.S.latent_shape, generator=g).to(self.dev)
@@ -119,8 +130,20 @@ class EagerStack:
             return self._flux_velocity(x, sigma, pe, pooled)
         if self.S.family == "qwen_image":
             return self._qwen_velocity(x, sigma, pe, pooled)
+        if self.S.family == "wan":  # WanPipeline: the time as 1000 sigma, the text alone
+            return self.dit(hidden_states=x.to(self.dtype), timestep=sigma * 1000.0, encoder_hidden_states=pe,
+                            return_dict=False)[0]
         return self.dit(hidden_states=x.to(self.dtype), timestep=sigma * 1000.0, encoder_hidden_states=pe,
                         pooled_projections=pooled, return_dict=False)[0]
+
+    def _guided_velocity(self, x, sigma, pe, pooled, neg):
+        """The rollout's velocity (fp32): with `neg` (the negative prompt's embeddings), WanPipeline's
+        classifier-free guidance, the conditional call first, combined in the DiT's dtype."""
+        v = self._velocity(x, sigma, pe, pooled)
+        if neg is not None:
+            v_neg = self._velocity(x, sigma, neg[0].expand_as(pe), neg[1].expand(len(pooled), -1))
+            v = v_neg + self.S.cfg_scale * (v - v_neg)
+        return v.float()
 
     def _flux_velocity(self, x, sigma, pe, pooled):
         """FluxPipeline's DiT call on unpacked latents x [B, C, h, w]: packed 2x2 into tokens, the
@@ -172,20 +195,24 @@ class EagerStack:
         return fn, self.rollout_mode
 
     def _decode(self, latents):
+        """uint8 images [B, H, W, 3] (Wan's videos: frames [B, F, H, W, 3])."""
         torch = _torch()
-        vae = self.vae
+        vae, qwen = self.vae, self.S.family == "qwen_image"
+        dtype = vae.dtype  # the pipelines cast the latents to the VAE's
         with torch.no_grad():
-            if self.S.family == "qwen_image":  # QwenImagePipeline: one frame, latents_mean / latents_std undone
+            if qwen or self.S.family == "wan":  # their pipelines: latents_mean / latents_std undone
                 c = vae.config.z_dim
-                mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, self.dtype)
-                inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(latents.device, self.dtype)
-                z = latents.to(self.dtype).unsqueeze(2) / inv_std + mean
-                img = vae.decode(z, return_dict=False)[0][:, :, 0].float()
+                mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(latents.device, dtype)
+                inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(latents.device, dtype)
+                z = latents.to(dtype)
+                z = (z.unsqueeze(2) if qwen else z) / inv_std + mean  # QwenImagePipeline: one frame
+                img = vae.decode(z, return_dict=False)[0]
+                img = (img[:, :, 0] if qwen else img).float()
             else:
-                z = latents.to(self.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+                z = latents.to(dtype) / vae.config.scaling_factor + vae.config.shift_factor
                 img = vae.decode(z, return_dict=False)[0].float()
             img = ((img / 2 + 0.5).clamp(0, 1) * 255.0).round().to(torch.uint8)
-            return img.permute(0, 2, 3, 1).contiguous().cpu()
+            return img.movedim(1, -1).contiguous().cpu()
 
     def vae_decode(self, b: int):
         latents = self._latent(b)
@@ -209,10 +236,17 @@ class EagerStack:
             txt = txt / txt.norm(dim=-1, keepdim=True)
             return (self.clip.logit_scale.exp() * (img * txt).sum(-1) / 26.0).float().cpu()
 
+    def _score_samples(self, prompts, samples):
+        """PickScore of images, or of videos [n, F, H, W, 3]: each frame with its video's prompt, the mean per video."""
+        if samples.dim() == 4:
+            return self._score(prompts, samples)
+        n, f = samples.shape[:2]
+        return self._score([p for p in prompts for _ in range(f)], samples.flatten(0, 1)).view(n, f).mean(1)
+
     def pickscore(self, n: int):
-        images, prompts = random_images(self.S, n), prompt_list(n)
+        samples, prompts = random_images(self.S, n, videos=self.S.video), prompt_list(n)
         self.clip
-        return (lambda: self._score(prompts, images)), contextlib.nullcontext
+        return (lambda: self._score_samples(prompts, samples)), contextlib.nullcontext
 
     # training: v_old (no grad) + v_theta + NFT loss + backward per micro-batch, then AdamW
     def _pair_loss(self, x_sigma, x0, sig, pe, pooled):
@@ -221,7 +255,7 @@ class EagerStack:
             with torch.no_grad():
                 v_old = self._velocity(x_sigma, sig, pe, pooled).float()
             v = self._velocity(x_sigma, sig, pe, pooled).float()
-        s = sig.view(-1, 1, 1, 1)
+        s = _per_sample(sig, x_sigma)
         losses = []
         for vb in (v, 2 * v_old - v):  # beta = 1: v+ = v_theta, v- = 2 v_old - v_theta
             err = x_sigma - s * vb - x0
@@ -238,7 +272,7 @@ class EagerStack:
             x0 = self._latent(m, seed=i + 7)
             eps = torch.randn(x0.shape, generator=g).to(self.dev)
             sig = self.sigmas[torch.randint(0, self.k, (m,), generator=g)].to(self.dev)
-            x_sigma = (1 - sig.view(-1, 1, 1, 1)) * x0 + sig.view(-1, 1, 1, 1) * eps
+            x_sigma = (1 - _per_sample(sig, x0)) * x0 + _per_sample(sig, x0) * eps
             pe, pooled = self._cond(m, seed=i)
             data.append((x_sigma, x0, sig, pe, pooled))
         return data
@@ -256,12 +290,14 @@ class EagerStack:
         return (lambda: self._train(data, n_pairs)), contextlib.nullcontext, n_pairs
 
     def iteration(self):
-        """64 samples x 10 Euler steps, decodes, PickScores, then 576 pairs and one AdamW step."""
+        """64 samples x 10 Euler steps, decodes, PickScores, then 576 pairs and one AdamW step (sd35m;
+        the shapes' samples, steps and trained sigmas; CFG's two DiT calls a step where they guide)."""
         torch = _torch()
         S, b = self.S, self.rollout_batch
         n = S.samples
         k = self.k
         pe_all, pooled_all = self._cond(n, seed=11)
+        neg = self._cond(1, seed=12) if S.cfg_scale > 1.0 else None  # the negative prompt's embeddings
         prompts = prompt_list(n)
 
         def fn():
@@ -271,10 +307,10 @@ class EagerStack:
                     x = self._latent(min(b, n - i), seed=100 + i)
                     for j in range(S.num_steps):
                         s = self.sigmas[j].expand(x.shape[0])
-                        v = self._velocity(x, s, pe_all[i:i + b], pooled_all[i:i + b]).float()
+                        v = self._guided_velocity(x, s, pe_all[i:i + b], pooled_all[i:i + b], neg)
                         x = x + (self.sigmas[j + 1] - self.sigmas[j]) * v
                     x0s.append(x)
-                    scores.append(self._score(prompts[i:i + b], self._decode(x)))
+                    scores.append(self._score_samples(prompts[i:i + b], self._decode(x)))
             rewards = torch.cat(scores).double().view(-1, S.per_prompt)
             (rewards - rewards.mean(1, keepdim=True)) / (rewards.std() + 1e-4)  # advantages (loss uses r = 1/2)
             x0 = torch.cat(x0s)
@@ -285,7 +321,7 @@ class EagerStack:
                 idx = torch.tensor([i for i, _ in chunk])
                 sig = self.sigmas[torch.tensor([j for _, j in chunk])]
                 eps = torch.randn((len(chunk), *x0.shape[1:]), generator=g).to(self.dev)
-                xs = (1 - sig.view(-1, 1, 1, 1)) * x0[idx] + sig.view(-1, 1, 1, 1) * eps
+                xs = (1 - _per_sample(sig, eps)) * x0[idx] + _per_sample(sig, eps) * eps
                 loss = self._pair_loss(xs, x0[idx], sig, pe_all[idx.to(self.dev)], pooled_all[idx.to(self.dev)])
                 (loss * (len(chunk) / len(pairs))).backward()
             self.opt.step()
@@ -295,3 +331,8 @@ class EagerStack:
     def close(self) -> None:
         self._dit = self._vae = self._clip = self.opt = self.lora = None
         self._ids = {}
+
+
+def _per_sample(sig, x):
+    """Per-sample sigmas [B] shaped to broadcast over latents x [B, ...] (images' and videos')."""
+    return sig.view(-1, *(1,) * (x.dim() - 1))

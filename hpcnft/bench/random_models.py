@@ -9,6 +9,8 @@ import os
 
 from hpcnft.bench.shapes import Shapes, _torch
 
+VAE_CLASSES = {"qwen_image": "AutoencoderKLQwenImage", "wan": "AutoencoderKLWan"}  # else SD3's and FLUX's
+
 
 def build_dit(S: Shapes, dev):
     """The family's DiT at the shapes, random weights (fp32) on `dev`."""
@@ -77,7 +79,7 @@ def build_vae(S: Shapes, dev):
     torch = _torch()
     import diffusers
 
-    cls = diffusers.AutoencoderKLQwenImage if "z_dim" in S.vae else diffusers.AutoencoderKL
+    cls = getattr(diffusers, VAE_CLASSES.get(S.family, "AutoencoderKL"))
     torch.manual_seed(1)
     with torch.device(dev):
         return cls(**S.vae).eval().requires_grad_(False)

@@ -125,7 +125,7 @@ class Bench:
                         if m.get(f"{part}_flops") and met.get(f"perf/{part}_s"):
                             m[f"{part}_s"] = met[f"perf/{part}_s"]
                             m[f"{part}_mfu"] = m[f"{part}_flops"] / met[f"perf/{part}_s"] / self.ceiling
-                m["samples"], m["pairs"] = S.samples, S.samples * int(S.num_steps * 0.99)
+                m["samples"], m["pairs"] = S.samples, S.samples * S.trained_steps
                 self.save()
         return rec
 
@@ -137,7 +137,7 @@ class Bench:
         parts = {"rollout_fwd": (ph.get(f"rollout_fwd_b{b}"), S.samples * S.num_steps / b),
                  "vae_decode": (ph.get("vae_decode"), S.samples / max(S.rollout_batches)),
                  "pickscore": (ph.get("pickscore"), 1),
-                 "train": (ph.get(f"train_pair_mb{mb}"), S.samples * int(S.num_steps * 0.99) / (TRAIN_K * mb))}
+                 "train": (ph.get(f"train_pair_mb{mb}"), S.samples * S.trained_steps / (TRAIN_K * mb))}
         if any(p is None or not p.get("flops") for p, _ in parts.values()):
             return {}
         total = sum(p["flops"] * k for p, k in parts.values())
@@ -151,7 +151,9 @@ class Bench:
 
     def phases_for(self, stack, rollout_batches, micro_batches, vae=True, pick=True, terms=False) -> list[tuple]:
         """The phases of `stack` that --phases asks for. `terms`: the reward terms beside
-        PickScore too (measured once, in the fast stack: no lever touches them)."""
+        PickScore too (measured once, in the fast stack: no lever touches them). The VAE decodes
+        and PickScore scores samples (S.unit: images, or videos of S.num_frames); the other terms
+        score images (a video's shapes: its frames; OCR its own images of text)."""
         from hpcnft.bench.terms import TERMS
 
         S, only = self.S, set(self.args.phases)
@@ -162,12 +164,12 @@ class Bench:
                for b in rollout_batches]
         if vae:
             b = max(S.rollout_batches)
-            out.append(("vae_decode", lambda: stack.vae_decode(b), "image", b))
+            out.append(("vae_decode", lambda: stack.vae_decode(b), S.unit, b))
         if pick:
-            out.append(("pickscore", lambda: stack.pickscore(S.samples), "image", S.samples))
+            out.append(("pickscore", lambda: stack.pickscore(S.samples), S.unit, S.samples))
         if terms and "reward_terms" in only:
-            out += [(kind, (lambda kind=kind: stack.reward_term(kind, S.samples)), "image", S.samples)
-                    for kind in TERMS]
+            out += [(kind, (lambda kind=kind: stack.reward_term(kind, S.samples)),
+                     "frame" if S.video and kind != "ocr" else "image", S.samples) for kind in TERMS]
         for mb in micro_batches:
             out.append((f"train_pair_mb{mb}", (lambda mb=mb: stack.train_pairs(mb)), "pair", TRAIN_K * mb,
                         max(1, S.warm - 1), max(2, S.reps - 2)))

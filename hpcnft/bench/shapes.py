@@ -1,7 +1,8 @@
-"""The bench's shapes (real SD3.5-M, SD3.5-L, FLUX.1-dev and Qwen-Image, or tiny ones), the inputs
-its stacks feed the models, its pipe and mesh (the random-weight models: bench.random_models).
-What differs between model families (the DiT's class, the text tokens and pooled width it takes,
-the scheduler, the VAE's latent) is the shapes' `family` (hpcnft.models.families)."""
+"""The bench's shapes (real SD3.5-M, SD3.5-L, FLUX.1-dev, Qwen-Image and Wan2.1 T2V-1.3B, or tiny
+ones), the inputs its stacks feed the models, its pipe and mesh (the random-weight models:
+bench.random_models). What differs between model families (the DiT's class, the text tokens and
+pooled width it takes, the scheduler, the VAE's latent, a video's frames) is the shapes' `family`
+(hpcnft.models.families)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,9 @@ LORA_TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.ad
 FLUX_LORA_TARGETS = LORA_TARGETS + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 # Qwen-Image's recipe: both streams' attention projections and feed-forwards
 QWEN_LORA_TARGETS = LORA_TARGETS + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+# Wan2.1's recipes: self-attention (attn1), cross-attention to the text (attn2), the feed-forward
+WAN_LORA_TARGETS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                    "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 QWEN_PROMPT_TOKENS = 64  # the bench's Qwen-Image prompts: this many text tokens unmasked, the rest padding
 SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 # FLUX.1-dev's scheduler config: the sigma grid's shift grows with the image's token count
@@ -45,7 +49,7 @@ class Shapes:
     clip_text: dict
     clip_vision: dict
     clip_projection: int
-    size: int  # image side, px
+    size: int  # image side, px (the height where `width` is set)
     t5_tokens: int  # rollout.max_sequence_length
     prompts: int  # P
     per_prompt: int  # G
@@ -65,6 +69,30 @@ class Shapes:
     lora_targets: tuple = tuple(LORA_TARGETS)
     scheduler: dict = dataclasses.field(default_factory=lambda: dict(SD3_SCHEDULER))
     host_build: bool = False  # the DiT built in host memory first (Qwen-Image's fp32 copy outgrows an 80 GB card)
+    width: int = 0  # image width, px, where it is not `size` (Wan2.1's 832 x 480)
+    num_frames: int = 1  # rollout.num_frames: a video's frames (Wan: 1 + 4k); 1, an image
+    # The eager stack's classifier-free guidance: Wan's recipe's rollout.guidance_scale, as WanPipeline
+    # guides (the conditional DiT call, then the negative prompt's); 1.0: none (the image shapes' eager stacks)
+    cfg_scale: float = 1.0
+    timestep_fraction: float = 0.99  # the recipe's: int(num_steps x fraction) sigma trained per sample
+
+    @property
+    def hw(self) -> tuple[int, int]:
+        """An image's (a video frame's) height and width, px."""
+        return self.size, self.width or self.size
+
+    @property
+    def video(self) -> bool:
+        return self.num_frames > 1
+
+    @property
+    def unit(self) -> str:
+        """What one sample is to the VAE and the reward: an image, or a video of num_frames."""
+        return "video" if self.video else "image"
+
+    @property
+    def trained_steps(self) -> int:
+        return int(self.num_steps * self.timestep_fraction)
 
     @property
     def samples(self) -> int:
@@ -79,15 +107,24 @@ class Shapes:
         return family_named(self.family).prompt_tokens(self.t5_tokens)
 
     @property
+    def text_dim(self) -> int:
+        """The width of the prompt embeddings the DiT takes (Wan's UMT5: text_dim)."""
+        return self.dit["text_dim"] if self.family == "wan" else self.dit["joint_attention_dim"]
+
+    @property
     def pooled_width(self) -> int:
-        """The second conditioning tensor's width: the pooled embedding's, Qwen-Image's text mask's."""
+        """The second conditioning tensor's width: the pooled embedding's, Qwen-Image's text mask's,
+        Wan's none (an empty [n, 0])."""
+        if self.family == "wan":
+            return 0
         return self.text_tokens if self.family == "qwen_image" else self.dit["pooled_projection_dim"]
 
     def conditioning(self, n: int, seed: int, dtype):
-        """Random prompt embeddings [n, L, D] and a pooled embedding, in `dtype`; Qwen-Image's mask for the latter."""
+        """Random prompt embeddings [n, L, D] and a pooled embedding, in `dtype`; Qwen-Image's mask for the
+        latter, Wan's empty [n, 0]."""
         torch = _torch()
         g = torch.Generator().manual_seed(seed)
-        pe = torch.randn(n, self.text_tokens, self.dit["joint_attention_dim"], generator=g).to(dtype)
+        pe = torch.randn(n, self.text_tokens, self.text_dim, generator=g).to(dtype)
         if self.family == "qwen_image":
             mask = torch.zeros(n, self.text_tokens, dtype=torch.long)
             mask[:, :min(QWEN_PROMPT_TOKENS, self.text_tokens)] = 1
@@ -95,14 +132,19 @@ class Shapes:
         return pe, torch.randn(n, self.pooled_width, generator=g).to(dtype)
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """The VAE latent [C, h, w] of an image: the space of the sampler and the NFT loss (FLUX's
-        and Qwen-Image's DiTs pack it into tokens themselves)."""
-        if "z_dim" in self.vae:  # AutoencoderKLQwenImage: 2x per temporal-downsample entry
-            side = self.size // 2 ** len(self.vae["temperal_downsample"])
-            return (self.vae["z_dim"], side, side)
-        side = self.size // 2 ** (len(self.vae["block_out_channels"]) - 1)
-        return (self.vae["latent_channels"], side, side)
+    def latent_shape(self) -> tuple[int, ...]:
+        """The VAE latent [C, h, w] of an image ([C, F', h, w] of a Wan video): the space of the
+        sampler and the NFT loss (FLUX's and Qwen-Image's DiTs pack it into tokens themselves)."""
+        h, w = self.hw
+        if "z_dim" in self.vae:  # AutoencoderKLQwenImage, AutoencoderKLWan: 2x per temporal-downsample entry
+            f = 2 ** len(self.vae["temperal_downsample"])
+            if self.family == "wan":
+                from hpcnft.models.families.wan import latent_frames
+
+                return (self.vae["z_dim"], latent_frames(self.num_frames), h // f, w // f)
+            return (self.vae["z_dim"], h // f, w // f)
+        f = 2 ** (len(self.vae["block_out_channels"]) - 1)
+        return (self.vae["latent_channels"], h // f, w // f)
 
 
 def sd35m_shapes() -> Shapes:
@@ -211,10 +253,41 @@ def tiny_qwen_image_shapes() -> Shapes:
                                lora_targets=tuple(QWEN_LORA_TARGETS), scheduler=dict(QWEN_IMAGE_SCHEDULER))
 
 
+def wan21_1_3b_shapes() -> Shapes:
+    """Wan2.1-T2V-1.3B at the wan21_1_3b_pickscore recipe's sizes: the 1.4 B DiT (30 blocks of width 1536, UMT5's
+    512 tokens at 4096), AutoencoderKLWan; 41 frames of 832 x 480 (11 latent frames of 52 x 30), 12 steps, no CFG,
+    4 sigma trained per sample; bf16, LoRA r128 on the 10 targets, checkpointing; batch 2, micro-batch 1."""
+    from hpcnft.models.tiny_wan import TINY_WAN_SCHEDULER
+
+    return dataclasses.replace(
+        flux1dev_shapes(), name="wan21_1_3b", recipe="wan21_1_3b_pickscore", family="wan",
+        dit=dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+        vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True]),  # latents_mean/std: AutoencoderKLWan's defaults
+        size=480, width=832, num_frames=41, prompts=3, per_prompt=16, num_steps=12, rollout_batches=(1, 2),
+        micro_batches=(1, 2), lora_rank=128, lora_alpha=128, lora_targets=tuple(WAN_LORA_TARGETS),
+        scheduler=dict(TINY_WAN_SCHEDULER), timestep_fraction=0.34)
+
+
+def tiny_wan_shapes() -> Shapes:
+    """The tiny Wan2.1 (hpcnft.models.tiny_wan) at the tiny shapes with the tiny_wan recipe's videos (5 frames,
+    2 latent frames) and guidance 4.5: its paths on a CPU."""
+    from hpcnft.models.tiny_dims import TINY_WAN_TRANSFORMER
+    from hpcnft.models.tiny_wan import TINY_WAN_SCHEDULER, TINY_WAN_VAE
+
+    return dataclasses.replace(tiny_shapes(), name="tiny_wan", recipe="tiny_wan", family="wan",
+                               dit=dict(TINY_WAN_TRANSFORMER), vae=dict(TINY_WAN_VAE), num_frames=5, cfg_scale=4.5,
+                               precision="bf16", lora_targets=tuple(WAN_LORA_TARGETS),
+                               scheduler=dict(TINY_WAN_SCHEDULER))
+
+
 SHAPES = {"sd35m": sd35m_shapes, "sd35l": sd35l_shapes, "flux1dev": flux1dev_shapes, "qwen_image": qwen_image_shapes,
-          "tiny": tiny_shapes, "tiny_flux": tiny_flux_shapes, "tiny_qwen_image": tiny_qwen_image_shapes}
+          "wan21_1_3b": wan21_1_3b_shapes, "tiny": tiny_shapes, "tiny_flux": tiny_flux_shapes,
+          "tiny_qwen_image": tiny_qwen_image_shapes, "tiny_wan": tiny_wan_shapes}
 # What each needs: the real shapes a CUDA device, the tiny ones run on a CPU
-REAL_SHAPES = ("sd35m", "sd35l", "flux1dev", "qwen_image")
+REAL_SHAPES = ("sd35m", "sd35l", "flux1dev", "qwen_image", "wan21_1_3b")
 
 
 # -- what the stacks feed the models ---------------------------------------------------------------
@@ -231,18 +304,20 @@ def prompt_list(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
 
-def random_images(S: Shapes, n: int):
+def random_images(S: Shapes, n: int, videos: bool = False):
+    """Uniform uint8 noise: n images [n, H, W, 3] at the shapes' image (a video's frame) size;
+    `videos`: n of the shapes' videos, their frames [n, F, H, W, 3]."""
     torch = _torch()
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, 256, (n, S.size, S.size, 3), generator=g, dtype=torch.uint8)
+    return torch.randint(0, 256, (n, *((S.num_frames,) if videos else ()), *S.hw, 3), generator=g, dtype=torch.uint8)
 
 
 def smooth_images(S: Shapes, n: int):
-    """Random 16x16 colours upsampled bilinearly to the image size: smooth like decoded images."""
+    """Random 16x16 colours upsampled bilinearly to the image (a video's frame) size: smooth like decoded images."""
     torch = _torch()
     g = torch.Generator().manual_seed(4)
     low = torch.rand(n, 3, 16, 16, generator=g) * 255
-    up = torch.nn.functional.interpolate(low, size=(S.size, S.size), mode="bilinear", align_corners=False)
+    up = torch.nn.functional.interpolate(low, size=S.hw, mode="bilinear", align_corners=False)
     return up.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
@@ -263,13 +338,15 @@ class _Pipe:
 
         g = torch.Generator().manual_seed(stable_hash("bench_prompt", prompt))
         tokens = family_named(self.S.family).prompt_tokens(max_sequence_length)
-        pe = torch.randn(1, tokens, self.S.dit["joint_attention_dim"], generator=g)
+        pe = torch.randn(1, tokens, self.S.text_dim, generator=g)
         pooled = torch.randn(1, self.S.pooled_width, generator=g)
         dev = device or self.device
         pe, pooled = pe.to(dev, self.dtype), pooled.to(dev, self.dtype)
         if self.S.family == "flux":  # FluxPipeline.encode_prompt: (embeddings, pooled, text ids)
             return pe, pooled, torch.zeros(max_sequence_length, 3, device=dev, dtype=self.dtype)
-        return (pe, None) if self.S.family == "qwen_image" else (pe, None, pooled, None)  # Qwen: no padding, no mask
+        if self.S.family in ("qwen_image", "wan"):  # Qwen: no padding, no mask; WanPipeline: (embeddings, negative)
+            return pe, None
+        return pe, None, pooled, None
 
 
 _MESH = []

@@ -45,14 +45,15 @@ def fp32_arithmetic(module):
 
 
 def bench_config(S: Shapes, dev, overrides: dict):
-    """The recipe at the bench's shapes, world 1 (reward colocated), determinism off, plus overrides.
-    The shapes set the precision on a GPU (fp32 on a CPU), checkpointing and the LoRA targets, as
-    the eager stack uses them."""
+    """The recipe at the bench's shapes (a video's frames too), world 1 (reward colocated),
+    determinism off, plus overrides. The shapes set the precision on a GPU (fp32 on a CPU),
+    checkpointing and the LoRA targets, as the eager stack uses them."""
     from hpcnft.algo.root_config import ConfigError, load_config
 
     base = {
-        "rollout.height": S.size, "rollout.width": S.size, "rollout.prompts_per_step": S.prompts,
-        "rollout.samples_per_prompt": S.per_prompt, "rollout.num_steps": S.num_steps,
+        "rollout.height": S.hw[0], "rollout.width": S.hw[1], "rollout.num_frames": S.num_frames,
+        "rollout.prompts_per_step": S.prompts, "rollout.samples_per_prompt": S.per_prompt,
+        "rollout.num_steps": S.num_steps,
         "rollout.max_sequence_length": S.t5_tokens, "rollout.batch_size": max(S.rollout_batches),
         "train.micro_batch": max(S.micro_batches), "train.grad_checkpointing": S.grad_checkpointing,
         "train.precision": S.precision if dev.type == "cuda" else "fp32",
@@ -196,13 +197,19 @@ class HpcnftStack:
             contextlib.nullcontext
 
     def pickscore(self, n: int):
-        images, prompts = random_images(self.S, n), prompt_list(n)
-        scorer = self.scorer
+        """PickScore of n samples: images, or videos as a reward rank scores them (algo.reward.score_videos)."""
+        prompts, scorer = prompt_list(n), self.scorer
+        if self.S.video:
+            from hpcnft.algo.reward import score_videos
+
+            videos, how = random_images(self.S, n, videos=True), self.cfg.reward.frame_pooling
+            return (lambda: score_videos(scorer, prompts, videos, how)), contextlib.nullcontext
+        images = random_images(self.S, n)
         return (lambda: scorer(prompts, images)), contextlib.nullcontext
 
     def reward_term(self, kind: str, n: int):
-        """One of the other reward terms (bench.terms) on n images with their prompts, its
-        preprocessing included. Smooth images, as decoded ones are: the JPEG size's time
+        """One of the other reward terms (bench.terms) on n images (a video's shapes: frames) with their
+        prompts, its preprocessing included. Smooth images, as decoded ones are: the JPEG size's time
         depends on the content; the OCR term's show their prompt's text (bench.terms.text_images)."""
         from hpcnft.bench.terms import build_term, text_images
 
@@ -211,9 +218,9 @@ class HpcnftStack:
         return (lambda: term(prompts, images)), contextlib.nullcontext
 
     def preprocess_cost(self, n: int) -> dict:
-        """What perf.pickscore_preprocess="device" costs in reward: PickScore of the same images
-        through the device path and through the processor's PIL path (smooth images, as decoded
-        ones are, and uniform noise, the worst case for a resize kernel)."""
+        """What perf.pickscore_preprocess="device" costs in reward: PickScore of the same n images
+        (a video's shapes: n frames) through the device path and through the processor's PIL path
+        (smooth images, as decoded ones are, and uniform noise, the worst case for a resize kernel)."""
         scorer, prompts, out = self.scorer, prompt_list(n), {}
         for name, images in (("smooth", smooth_images(self.S, n)), ("noise", random_images(self.S, n))):
             scores = {}

@@ -82,7 +82,7 @@ def test_bench_tiny_profile_writes_tables_and_a_summary(tiny_bench):
     assert any(o["name"] in ("aten::mm", "aten::addmm", "aten::linear") for o in summary["rollout_forward"]["top_ops"])
 
 
-@pytest.mark.parametrize("shapes", ["sd35m", "sd35l", "flux1dev", "qwen_image"])
+@pytest.mark.parametrize("shapes", ["sd35m", "sd35l", "flux1dev", "qwen_image", "wan21_1_3b"])
 def test_bench_real_shapes_without_cuda_is_one_line_usage_error(shapes):
     r = hpcnft("bench", "--shapes", shapes, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert r.returncode == 2
@@ -92,7 +92,8 @@ def test_bench_real_shapes_without_cuda_is_one_line_usage_error(shapes):
 def test_bench_help_lists_every_shapes():
     r = hpcnft("bench", "--help", timeout=120)
     assert r.returncode == 0, r.stderr
-    for name in ("sd35m", "sd35l", "flux1dev", "qwen_image", "tiny", "tiny_flux", "tiny_qwen_image"):
+    for name in ("sd35m", "sd35l", "flux1dev", "qwen_image", "wan21_1_3b", "tiny", "tiny_flux", "tiny_qwen_image",
+                 "tiny_wan"):
         assert name in r.stdout, r.stdout
 
 
@@ -134,20 +135,29 @@ def test_bench_tiny_flux_runs_the_plain_and_the_package_stacks(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_tiny_qwen_image_runs_the_plain_and_the_package_stacks(tmp_path):
-    """The Qwen-Image paths of both stacks on a CPU (the text mask, the packed latents, the 3D VAE):
+@pytest.mark.parametrize("shapes,family,unit", [("tiny_qwen_image", "qwen_image", "image"),
+                                                ("tiny_wan", "wan", "video")])
+def test_bench_tiny_qwen_image_and_tiny_wan_run_the_plain_and_the_package_stacks(tmp_path, shapes, family, unit):
+    """The Qwen-Image paths of both stacks on a CPU (the text mask, the packed latents, the 3D VAE),
+    and Wan's (video latents, CFG as two calls, every frame decoded and scored, counted per video):
     the same DiT work in both rollouts, an iteration of the package's."""
+    from hpcnft.bench.shapes import SHAPES
+
     out = tmp_path / "bench.json"
-    r = hpcnft("bench", "--shapes", "tiny_qwen_image", "--baseline", "--no-default", "--json", out,
+    r = hpcnft("bench", "--shapes", shapes, "--baseline", "--no-default", "--json", out,
                env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert doc["shapes"] == "tiny_qwen_image" and not doc["errors"] and not doc["skipped"], doc
+    assert doc["shapes"] == shapes and not doc["errors"] and not doc["skipped"], doc
     stacks = doc["stacks"]
-    assert set(stacks) == {"eager", "hpcnft_fast"} and stacks["eager"]["config"]["family"] == "qwen_image"
+    assert set(stacks) == {"eager", "hpcnft_fast"} and stacks["eager"]["config"]["family"] == family
+    S = SHAPES[shapes]()
     for key, rec in stacks.items():
         for name, m in rec["phases"].items():
             assert m["s"] > 0 and (name == "iteration" or m["flops"] > 0), (key, name, m)
+        assert rec["phases"]["vae_decode"]["unit"] == rec["phases"]["pickscore"]["unit"] == unit, key
+        assert rec["phases"]["pickscore"]["per"] == S.samples
+        assert rec["phases"]["iteration"]["pairs"] == S.samples * S.trained_steps
     flops = {key: rec["phases"]["rollout_fwd_b8"]["flops"] for key, rec in stacks.items()}
     assert flops["eager"] == flops["hpcnft_fast"], flops
     assert stacks["hpcnft_fast"]["phases"]["iteration"]["metrics"]["train/nft_loss"] > 0

@@ -1,6 +1,7 @@
-"""hpcnft bench's shapes beside SD3.5-M: SD3.5-Large and FLUX.1-dev at their real sizes (built on
-the meta device, nothing allocated), their configs, and the tiny FLUX's plain stack against the
-package's FLUX family; the DiT built in host memory with its random fills on every core (CPU)."""
+"""hpcnft bench's shapes beside SD3.5-M: SD3.5-Large, FLUX.1-dev, Qwen-Image and Wan2.1-T2V-1.3B at
+their real sizes (built on the meta device, nothing allocated), their configs, and the tiny models'
+plain stacks against the package's families; the DiT built in host memory with its random fills on
+every core (CPU)."""
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ def _params(name: str) -> int:
     ("sd35l", "SD3Transformer2DModel", 8.05e9, 8.06e9),  # 8,056,627,520
     ("flux1dev", "FluxTransformer2DModel", 11.90e9, 11.91e9),  # 11,901,408,320
     ("qwen_image", "QwenImageTransformer2DModel", 20.43e9, 20.44e9),  # 20,430,401,088
+    ("wan21_1_3b", "WanTransformer3DModel", 1.41e9, 1.42e9),  # 1,418,996,800
 ])
 def test_real_shape_dits_have_the_published_sizes(name, cls, low, high):
     assert type(build_dit(SHAPES[name](), torch.device("meta"))).__name__ == cls
@@ -38,7 +40,7 @@ def test_every_shapes_has_a_recipe_of_its_family_and_its_lora_targets():
         recipe = load_config(S.recipe)
         assert recipe.models.family == S.family, name
         assert list(S.lora_targets) == recipe.train.lora_targets, name  # the recipe's LoRA, in both stacks
-    assert set(REAL_SHAPES) == {"sd35m", "sd35l", "flux1dev", "qwen_image"}
+    assert set(REAL_SHAPES) == {"sd35m", "sd35l", "flux1dev", "qwen_image", "wan21_1_3b"}
 
 
 def test_text_and_latent_shapes_follow_the_family():
@@ -121,19 +123,42 @@ def test_qwen_image_shapes_are_its_recipes_with_a_masked_text_and_the_3d_vaes_la
     assert tiny.latent_shape == (16, 8, 8)
 
 
-def test_tiny_qwen_image_plain_stack_calls_the_dit_and_the_vae_as_the_family_does():
+def test_wan_shapes_are_its_recipes_videos_with_the_3d_vaes_latent():
+    S, tiny = SHAPES["wan21_1_3b"](), SHAPES["tiny_wan"]()
+    assert S.latent_shape == (16, 11, 60, 104) and (S.text_tokens, S.text_dim, S.pooled_width) == (512, 4096, 0)
+    assert S.unit == "video" and SHAPES["qwen_image"]().unit == "image"
+    cfg = bench_config(S, CUDA, fast_overrides(S, CUDA, []))
+    assert cfg.models.family == "wan" and cfg.train.precision == "bf16" and cfg.train.grad_checkpointing
+    assert (cfg.train.lora_rank, cfg.train.lora_alpha, cfg.samples_per_step) == (128, 128, 48)
+    for shapes in (S, tiny):  # the recipe's videos, guidance and trained sigmas, which the eager stack uses too
+        recipe, bench = load_config(shapes.recipe), bench_config(shapes, CPU, {})
+        r = bench.rollout
+        assert (r.height, r.width, r.num_frames) == (*shapes.hw, shapes.num_frames)
+        assert (recipe.rollout.height, recipe.rollout.width) == (r.height, r.width)
+        assert recipe.rollout.num_frames == r.num_frames
+        assert recipe.rollout.guidance_scale == shapes.cfg_scale
+        assert recipe.nft.timestep_fraction == shapes.timestep_fraction and bench.trained_steps == shapes.trained_steps
+    assert (S.cfg_scale, S.trained_steps, tiny.cfg_scale, tiny.latent_shape) == (1.0, 4, 4.5, (16, 2, 8, 8))
+    pe, pooled = tiny.conditioning(2, 0, torch.float32)
+    assert pe.shape == (2, tiny.text_tokens, tiny.dit["text_dim"]) and pooled.shape == (2, 0)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen_image", "tiny_wan"])
+def test_tiny_plain_stack_calls_the_dit_and_the_vae_as_the_family_does(name):
     """The eager stack's QwenImagePipeline-style DiT call (packed latents, mask, image shapes, time
-    as sigma), sigma grid and decode against hpcnft's Qwen-Image family, on the same weights."""
+    as sigma) or WanPipeline-style one (video latents, time as 1000 sigma), sigma grid and decode
+    against hpcnft's family, on the same weights."""
     from hpcnft.algo.sampler import decode_to_uint8, velocity
     from hpcnft.bench.eager import EagerStack
     from hpcnft.bench.shapes import scheduler
-    from hpcnft.models.families import QWEN_IMAGE
+    from hpcnft.models.families import family_named
 
-    S = SHAPES["tiny_qwen_image"]()
+    S = SHAPES[name]()
+    family = family_named(S.family)
     eager = EagerStack(S, CPU)
     dit = eager.dit
     eager.dit.disable_adapters()
-    torch.testing.assert_close(eager.sigmas, QWEN_IMAGE.sigma_grid(scheduler(S), S.num_steps, S.latent_shape))
+    torch.testing.assert_close(eager.sigmas, family.sigma_grid(scheduler(S), S.num_steps, S.latent_shape))
     x = eager._latent(3, seed=1)
     pe, mask = eager._cond(3, seed=2)
     sigma = eager.sigmas[[1, 4, 7]]
@@ -142,7 +167,32 @@ def test_tiny_qwen_image_plain_stack_calls_the_dit_and_the_vae_as_the_family_doe
         theirs = velocity(dit, x, sigma, pe, mask, torch.float32)
     assert mine.shape == x.shape
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
-    assert torch.equal(eager._decode(x[:1]), decode_to_uint8(eager.vae, x[:1], family=QWEN_IMAGE))
+    assert torch.equal(eager._decode(x[:1]), decode_to_uint8(eager.vae, x[:1], family=family))
+
+
+def test_tiny_wan_plain_stack_guides_as_wanpipeline_and_scores_each_videos_frames():
+    """The eager rollout's CFG (the conditional call, then the negative prompt's) against the
+    package's guided velocity; PickScore of a video is its frames' mean."""
+    from hpcnft.algo.sampler import Conditioning, guided_velocity, null_autocast
+    from hpcnft.bench.eager import EagerStack
+    from hpcnft.bench.shapes import random_images
+
+    S = SHAPES["tiny_wan"]()
+    eager = EagerStack(S, CPU)
+    eager.dit.disable_adapters()
+    x, (pe, pooled), neg = eager._latent(2, seed=1), eager._cond(2, seed=2), eager._cond(1, seed=3)
+    sigma = eager.sigmas[2].expand(2)
+    cond = Conditioning(pe, pooled)
+    cond.neg_prompt_embeds, cond.neg_pooled = neg[0].expand_as(pe), neg[1].expand_as(pooled)
+    with torch.no_grad():
+        mine = eager._guided_velocity(x, sigma, pe, pooled, neg)
+        theirs = guided_velocity(eager.dit, x, sigma, cond, S.cfg_scale, torch.float32, null_autocast)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    videos = random_images(S, 2, videos=True)
+    assert videos.shape == (2, S.num_frames, *S.hw, 3)
+    prompts = ["a red fox", "a blue car"]
+    frames = eager._score(["a red fox"] * S.num_frames + ["a blue car"] * S.num_frames, videos.flatten(0, 1))
+    torch.testing.assert_close(eager._score_samples(prompts, videos), frames.view(2, -1).mean(1))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_flux"])
