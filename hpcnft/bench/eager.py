@@ -272,7 +272,8 @@ class EagerStack:
             x0 = self._latent(m, seed=i + 7)
             eps = torch.randn(x0.shape, generator=g).to(self.dev)
             sig = self.sigmas[torch.randint(0, self.k, (m,), generator=g)].to(self.dev)
-            x_sigma = (1 - _per_sample(sig, x0)) * x0 + _per_sample(sig, x0) * eps
+            s = _per_sample(sig, x0)
+            x_sigma = (1 - s) * x0 + s * eps
             pe, pooled = self._cond(m, seed=i)
             data.append((x_sigma, x0, sig, pe, pooled))
         return data
@@ -321,7 +322,8 @@ class EagerStack:
                 idx = torch.tensor([i for i, _ in chunk])
                 sig = self.sigmas[torch.tensor([j for _, j in chunk])]
                 eps = torch.randn((len(chunk), *x0.shape[1:]), generator=g).to(self.dev)
-                xs = (1 - _per_sample(sig, eps)) * x0[idx] + _per_sample(sig, eps) * eps
+                s = _per_sample(sig, eps)
+                xs = (1 - s) * x0[idx] + s * eps
                 loss = self._pair_loss(xs, x0[idx], sig, pe_all[idx.to(self.dev)], pooled_all[idx.to(self.dev)])
                 (loss * (len(chunk) / len(pairs))).backward()
             self.opt.step()

@@ -255,7 +255,7 @@ def tiny_qwen_image_shapes() -> Shapes:
 
 def wan21_1_3b_shapes() -> Shapes:
     """Wan2.1-T2V-1.3B at the wan21_1_3b_pickscore recipe's sizes: the 1.4 B DiT (30 blocks of width 1536, UMT5's
-    512 tokens at 4096), AutoencoderKLWan; 41 frames of 832 x 480 (11 latent frames of 52 x 30), 12 steps, no CFG,
+    512 tokens at 4096), AutoencoderKLWan; 41 frames of 832 x 480 (11 latent frames of 104 x 60), 12 steps, no CFG,
     4 sigma trained per sample; bf16, LoRA r128 on the 10 targets, checkpointing; batch 2, micro-batch 1."""
     from hpcnft.models.tiny_wan import TINY_WAN_SCHEDULER
 

@@ -37,8 +37,9 @@ def check_input(cfg, world_size: int | None = None) -> None:
         cfg.reward.check_prompts(train, read_prompt_file(cfg.data.eval_prompts, "data.eval_prompts"))
         m = cfg.models
         for family, required in BASE_REQUIRED.items():
-            if getattr(m, f"{family}_dir"):
-                check_folder(f"models.{family}_dir", getattr(m, f"{family}_dir"), required)
+            folder = getattr(m, f"{family}_dir")
+            if folder:
+                check_folder(f"models.{family}_dir", folder, required)
         if m.pickscore_dir:
             check_folder("models.pickscore_dir", m.pickscore_dir, PICKSCORE_REQUIRED)
         if m.pickscore_processor_dir or m.pickscore_dir:
