@@ -8,8 +8,8 @@ shapes, the time as sigma, its shifted sigma grid, the 3D VAE's latents mean and
 as WanPipeline does: the DiT on the video latents [B, 16, F', h, w] with the time as 1000 sigma and
 the UMT5 embeddings, classifier-free guidance (where the shapes guide) as two DiT calls, the
 conditional one first, the flow-shifted sigma grid, the latents mean and std undone and every frame
-decoded by the VAE in fp32 (its documented use); PickScore of each frame, the mean per video. All train on the unpacked latents with the
-same NFT loss."""
+decoded by the VAE in fp32 (its documented use); PickScore of each frame, the mean per video.
+All train on the unpacked latents with the same NFT loss."""
 from __future__ import annotations
 
 import contextlib

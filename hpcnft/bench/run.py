@@ -9,6 +9,7 @@ import sys
 import time
 
 from hpcnft.bench.eager import EagerStack
+from hpcnft.bench.held import held_summary, held_tensors
 from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import run_caps
 from hpcnft.bench.report import _fmt_ms, _fmt_pct, _fmt_rate, environment, targets
@@ -18,6 +19,7 @@ from hpcnft.bench.timing import count_flops, matmul_ceiling, measure
 from hpcnft.common.errors import first_line
 
 SCHEMA = "hpcnft-bench/1"
+HELD_GIB = 1.0  # memory still allocated after a stack is freed beyond which its holders are looked for
 
 
 class Bench:
@@ -198,10 +200,16 @@ class Bench:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             left = torch.cuda.memory_allocated(self.dev) / 2**30
+            # what holds more than the shared scraps (cuBLAS workspaces, RNG states): named in the JSON
+            held = held_tensors("cuda") if left > HELD_GIB else None
             for rec in [self.doc["stacks"].get(stack.key)] + self.doc["levers"] + self.doc.get("variants", []):
                 if rec and rec.get("key") == stack.key:
                     rec["allocated_after_free_gib"] = round(left, 3)
+                    if held:
+                        rec["held_after_free"] = held
             self.log(f"freed {stack.key}: {left:.2f} GiB still allocated")
+            if held:
+                self.log("  " + held_summary(held))
 
     # -- the whole run
     def run(self) -> dict:

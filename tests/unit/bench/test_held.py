@@ -1,0 +1,55 @@
+"""bench.held: what still holds a freed stack's tensors, named by the chain of referrers (the
+bench records it where memory stays allocated after a stack is freed)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hpcnft.bench.held import held_summary, held_tensors, referrer_chain
+
+
+class _Rope(torch.nn.Module):
+    """A submodule whose method caches on `self` at class level, as diffusers' Qwen-Image RoPE does."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.freqs = torch.nn.Parameter(torch.zeros(numel))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - the leak under test
+    def table(self, n: int) -> int:
+        return n
+
+
+class _Dit(torch.nn.Module):
+    def __init__(self, numel: int):
+        super().__init__()
+        self.pos_embed = _Rope(numel)
+        self.proj = torch.nn.Linear(2, 2)
+
+
+def test_a_parameter_kept_by_a_class_level_cache_names_the_cache_and_the_class():
+    dit = _Dit(7_654_321)  # a size no other live tensor of the test process has
+    dit.pos_embed.table(3)
+    param = dit.pos_embed.freqs
+    del dit
+    chain = referrer_chain(param)
+    del param
+    assert chain[:3] == ["dict['freqs']", "dict['_parameters']", f"{__name__}._Rope"], chain
+    assert "functools._lru_cache_wrapper" in chain and chain[-1] == f"class {__name__}._Rope", chain
+
+    held = held_tensors("cpu", top=50)
+    mine = [t for t in held["largest"] if t["shape"] == [7_654_321]]
+    assert len(mine) == 1 and mine[0]["gib"] == round(7_654_321 * 4 / 2**30, 3), held
+    assert mine[0]["held_by"] == chain
+    _Rope.table.cache_clear()
+    assert not [t for t in held_tensors("cpu", top=50)["largest"] if t["shape"] == [7_654_321]]
+
+
+def test_a_tensor_held_only_by_its_own_frame_has_no_chain_and_the_summary_says_who_holds_the_largest():
+    t = torch.zeros(3)
+    assert referrer_chain(t, skip=(__import__("sys")._getframe(),)) == []
+    held = {"python_held_gib": 38.12, "largest": [{"gib": 38.0, "shape": [3072], "held_by": ["dict['w']", "class X"]}]}
+    assert held_summary(held) == ("38.12 GiB held by Python objects; the largest (38.00 GiB, [3072]) by: "
+                                  "dict['w'] <- class X")
+    assert "C++" in held_summary({"python_held_gib": 0.0, "largest": []})
