@@ -15,11 +15,11 @@ test).
 `tiny_run`, `tiny_run_again`: the embedded default job, 3 steps, started once per session and
 shared by every test that only reads a finished run (see below).
 
-Parallel workers (pytest-xdist, `-n 2 --dist loadgroup`, as CI runs every tier): the tests of a
-module stay on one worker (their module fixtures run once), the hpc tests of each cluster on one
-(`worker_group`: the one-node cluster's, and those that make nodes of network namespaces, one of
-which stops and starts a node), and the session's shared runs and tiny model cache are made once
-for all workers (`shared_result`).
+Parallel workers (pytest-xdist, `-n 3 --dist loadgroup`, as CI runs every tier): the tests of a
+module stay on one worker (their module fixtures run once), every hpc test on one, in turn
+(`worker_group`), and the session's shared runs and tiny model cache are made once for all
+workers (`shared_result`). The hpc tests wait on Slurm most of their time, their jobs using
+about half a core: with three workers the other two keep both cores busy meanwhile.
 
 `thread_spy`: replace a module's function by one that records the thread it runs in.
 """
@@ -63,18 +63,12 @@ def pytest_collection_modifyitems(config, items):
                                    for tier in ("default", *TIERS)}, "all": len(items)}
 
 
-# the tests that make nodes of network namespaces: the three-node cluster's, and the one that
-# starts and stops a cluster of two; the other hpc tests use the one-node cluster and MPI
-NODE_MODULES = ("test_multinode.py", "test_local_slurm_nodes.py")
-
-
 def worker_group(item) -> str:
-    """The tests xdist keeps on one worker, in turn: the hpc tests of each cluster (they share
-    it), and otherwise each module's (their module fixtures run once)."""
+    """The tests xdist keeps on one worker, in turn: every hpc test (both clusters' tests wait
+    on Slurm; a worker of their own lets the others fill the cores), and otherwise each
+    module's (their module fixtures run once)."""
     module = item.nodeid.split("::")[0]
-    if item.get_closest_marker("hpc") is None:
-        return module
-    return "hpc-nodes" if module.endswith(NODE_MODULES) else "hpc"
+    return "hpc" if item.get_closest_marker("hpc") is not None else module
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,27 @@ class, a function's closure). The bench records it where memory stays allocated 
 is freed, so one run on the device names the holder."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import types
 import warnings
 
 ROOTS = (types.ModuleType, type)
+
+
+@contextlib.contextmanager
+def unfrozen():
+    """gc's frozen objects (gc.freeze: a fork server's, hpcnft.common.collector's) back in its
+    generations for the walk: gc.get_objects and gc.get_referrers skip the frozen ones."""
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def describe(obj, child=None) -> str:
@@ -40,25 +55,26 @@ def referrer_chain(obj, depth: int = 14, skip: tuple = ()) -> list[str]:
     keep = {id(obj): obj}
     ignore = {id(sys._getframe()), id(skip), id(parent), id(keep), *map(id, skip)}
     level, end = [obj], None
-    for _ in range(depth):
-        ignore.add(id(level))
-        nxt: list = []
-        ignore.add(id(nxt))
-        for o in level:
-            refs = gc.get_referrers(o)
-            ignore.add(id(refs))
-            refs = [r for r in refs if id(r) not in ignore and id(r) not in parent]
-            ignore.add(id(refs))
-            if not refs or isinstance(o, ROOTS):
-                end = o
+    with unfrozen():
+        for _ in range(depth):
+            ignore.add(id(level))
+            nxt: list = []
+            ignore.add(id(nxt))
+            for o in level:
+                refs = gc.get_referrers(o)
+                ignore.add(id(refs))
+                refs = [r for r in refs if id(r) not in ignore and id(r) not in parent]
+                ignore.add(id(refs))
+                if not refs or isinstance(o, ROOTS):
+                    end = o
+                    break
+                for r in refs:
+                    parent[id(r)] = o
+                    keep[id(r)] = r
+                    nxt.append(r)
+            if end is not None or not nxt:
                 break
-            for r in refs:
-                parent[id(r)] = o
-                keep[id(r)] = r
-                nxt.append(r)
-        if end is not None or not nxt:
-            break
-        level = nxt
+            level = nxt
     end = level[-1] if end is None else end
     chain = []
     while end is not None:
@@ -75,7 +91,7 @@ def held_tensors(device_type: str, top: int = 3, depth: int = 14) -> dict:
 
     gc.collect()
     by_storage: dict[int, torch.Tensor] = {}
-    with warnings.catch_warnings():  # isinstance on a deprecated torch class warns
+    with warnings.catch_warnings(), unfrozen():  # isinstance on a deprecated torch class warns
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     t = None

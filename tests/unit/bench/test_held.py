@@ -3,6 +3,7 @@ bench records it where memory stays allocated after a stack is freed)."""
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 
@@ -44,6 +45,22 @@ def test_a_parameter_kept_by_a_class_level_cache_names_the_cache_and_the_class()
     assert mine[0]["held_by"] == chain
     _Rope.table.cache_clear()
     assert not [t for t in held_tensors("cpu", top=50)["largest"] if t["shape"] == [7_654_321]]
+
+
+def test_objects_gc_froze_are_walked_too_and_stay_frozen():
+    """A fork server freezes what it imported (gc.freeze), which gc.get_referrers skips."""
+    dit = _Dit(5_432_101)
+    dit.pos_embed.table(4)
+    param = dit.pos_embed.freqs
+    del dit
+    gc.freeze()
+    try:
+        chain = referrer_chain(param)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        _Rope.table.cache_clear()
+    assert "functools._lru_cache_wrapper" in chain and chain[-1] == f"class {__name__}._Rope", chain
 
 
 def test_a_tensor_held_only_by_its_own_frame_has_no_chain_and_the_summary_says_who_holds_the_largest():
