@@ -11,7 +11,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def hpcnft(*args, timeout=600, env=None):
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    """`hpcnft ARGS` on one thread: beside other tests' jobs on a few cores, torch's idle threads
+    spin for their turn and cost more CPU than they save."""
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "hpcnft", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
 

@@ -16,9 +16,11 @@ from hpcnft.io.runfile import read_run
 pytestmark = pytest.mark.slow
 
 # The tiny PickScore of a prompt sits anywhere in about [-0.2, 0.15] (random embeddings); the
-# rise NFT produces in 20 steps is about +0.005 whatever the prompt, so a relative criterion is
-# only meaningful for a prompt whose starting reward is small and positive, as this one (~0.016).
+# rise NFT produces in 16 steps is about +0.004 whatever the prompt, so a relative criterion is
+# only meaningful for a prompt whose starting reward is small and positive, as this one (~0.015).
+# Its last 5 steps' mean is 1.22x its first 5's at 16 steps (1.11x at 12, 1.30x at 20).
 PROMPT = "an owl perched on a branch at night"
+STEPS = 16
 
 
 def learn(tmp_path, scales: tuple[float, ...]) -> list[dict]:
@@ -29,13 +31,13 @@ def learn(tmp_path, scales: tuple[float, ...]) -> list[dict]:
     runs = []
     for scale in scales:
         run_dir = str(tmp_path / f"learn{scale:+.0f}")
-        runs.append((run_dir, start("run", "tiny", "--steps", "20", "--run-dir", run_dir,
+        runs.append((run_dir, start("run", "tiny", "--steps", str(STEPS), "--run-dir", run_dir,
                                     "--set", "layout.train_ranks=1", "--set", "layout.reward_ranks=0",
                                     "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=8",
                                     "--set", "train.finetune=full", "--set", "optim.lr=1e-2",
                                     "--set", f"data.train_prompts={str(prompts)!r}",
                                     "--set", f"data.eval_prompts={str(prompts)!r}",
-                                    "--set", "eval.every=20", "--set", "eval.at_start=true",
+                                    "--set", f"eval.every={STEPS}", "--set", "eval.at_start=true",
                                     "--set", "eval.num_prompts=1", "--set", f"reward.scale={scale}",
                                     "--set", "logging.sample_grid_every=0",
                                     "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false")))
@@ -50,12 +52,12 @@ def test_nft_raises_the_reward_and_the_negated_reward_lowers_it(tmp_path):
     pick = up["rollout/reward/raw_mean"][:, 1]
     assert pick[-5:].mean() >= 1.10 * pick[:5].mean(), pick
     ev = dict(up["eval/pickscore_mean"].tolist())
-    assert ev[20.0] > ev[0.0]
+    assert ev[float(STEPS)] > ev[0.0]
 
     pick_down = -down["rollout/reward/raw_mean"][:, 1]  # the training reward is -PickScore
     assert pick_down[-5:].mean() < pick_down[:5].mean(), pick_down
     ev_down = dict(down["eval/pickscore_mean"].tolist())
-    assert ev_down[20.0] < ev_down[0.0]
+    assert ev_down[float(STEPS)] < ev_down[0.0]
     assert np.isclose(ev_down[0.0], ev[0.0], rtol=0, atol=0)  # same start, the runs only diverge by training
 
 

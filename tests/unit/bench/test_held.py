@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import weakref
 
 import torch
 
@@ -39,12 +40,17 @@ def test_a_parameter_kept_by_a_class_level_cache_names_the_cache_and_the_class()
     assert chain[:3] == ["dict['freqs']", "dict['_parameters']", f"{__name__}._Rope"], chain
     assert "functools._lru_cache_wrapper" in chain and chain[-1] == f"class {__name__}._Rope", chain
 
-    held = held_tensors("cpu", top=50)
-    mine = [t for t in held["largest"] if t["shape"] == [7_654_321]]
-    assert len(mine) == 1 and mine[0]["gib"] == round(7_654_321 * 4 / 2**30, 3), held
-    assert mine[0]["held_by"] == chain
-    _Rope.table.cache_clear()
-    assert not [t for t in held_tensors("cpu", top=50)["largest"] if t["shape"] == [7_654_321]]
+    big = _Dit(1 << 26)  # 256 MiB (untouched zeros: no memory is written): the process's largest tensor
+    big.pos_embed.table(5)
+    gone = weakref.ref(big.pos_embed.freqs)
+    del big
+    try:
+        (largest,) = held_tensors("cpu", top=1)["largest"]
+    finally:
+        _Rope.table.cache_clear()
+    assert largest["shape"] == [1 << 26] and largest["gib"] == 0.25 and largest["dtype"] == "torch.float32", largest
+    assert largest["held_by"][:3] == chain[:3] and largest["held_by"][-1] == chain[-1], largest
+    assert gone() is None  # the cache was all that held it
 
 
 def test_objects_gc_froze_are_walked_too_and_stay_frozen():
