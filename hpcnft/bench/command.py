@@ -10,7 +10,7 @@ from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import parse_caps
 from hpcnft.bench.report import markdown
 from hpcnft.bench.run import Bench
-from hpcnft.bench.shapes import REAL_SHAPES, SHAPES
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, with_sets
 from hpcnft.bench.stack import DEFAULT_ALGO, bench_config
 from hpcnft.common.errors import UsageError
 
@@ -106,6 +106,7 @@ def main(name: str, args: argparse.Namespace) -> int:
     if DEFAULT_ALGO not in args.algo and (args.baseline or args.levers or args.variants):
         raise UsageError(f"--baseline, --levers and --variant measure DiffusionNFT: add {DEFAULT_ALGO} to --algo")
     fast_over = fast_overrides(S, dev, args.overrides)
+    S = with_sets(S, fast_over)
     for name in (n for n in args.algo if n != DEFAULT_ALGO):
         from hpcnft.bench.algo_stack import algorithm_overrides
 

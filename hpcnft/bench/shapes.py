@@ -370,3 +370,15 @@ def world1_mesh(dev):
             dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
         _MESH.append(DeviceMesh(dev.type, torch.tensor([0])))
     return _MESH[0]
+
+
+# --set keys that change the shapes themselves: the step's sample count and the sampler's steps. The
+# bench follows them everywhere (the eager stack, the per-sample rates), so that it can be set beside a
+# job at the job's own settings.
+SHAPE_KEYS = {"rollout.prompts_per_step": "prompts", "rollout.samples_per_prompt": "per_prompt",
+              "rollout.num_steps": "num_steps"}
+
+
+def with_sets(S: Shapes, overrides: dict) -> Shapes:
+    """S with the values of the SHAPE_KEYS that --set names."""
+    return dataclasses.replace(S, **{field: int(overrides[k]) for k, field in SHAPE_KEYS.items() if k in overrides})

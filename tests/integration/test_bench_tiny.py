@@ -327,7 +327,7 @@ def test_bench_tiny_measures_flow_grpo_beside_nft_in_one_process(tmp_path):
 
     out = tmp_path / "bench.json"
     r = hpcnft("bench", "--shapes", "tiny", "--algo", "nft,flow_grpo", "--no-default", "--phases", "train,iteration",
-               "--json", out, env={"CUDA_VISIBLE_DEVICES": ""})
+               "--json", out, "--set", "rollout.samples_per_prompt=6", env={"CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert not doc["errors"] and not doc["skipped"], doc
@@ -343,6 +343,10 @@ def test_bench_tiny_measures_flow_grpo_beside_nft_in_one_process(tmp_path):
     assert met["perf/iteration_s"] > 0 and met["train/kl_loss"] >= 0 and met["train/grpo_num_timesteps"] == 9
     assert "train/nft_loss" in stacks["hpcnft_fast"]["phases"]["iteration"]["metrics"]
     assert "flow_grpo time / nft time, fast" in r.stdout and "| iteration |" in r.stdout
+    # --set's sample count is the shapes' too (a bench beside a job at the job's settings): the
+    # iteration's per-sample accounting follows it
+    for stack in stacks.values():
+        assert stack["phases"]["iteration"]["samples"] == 2 * 6 and stack["phases"]["iteration"]["pairs"] == 12 * 9
 
 
 def test_bench_algo_names_are_the_registry_s():

@@ -63,6 +63,9 @@ class QwenImageFamily(Family):
     pipeline_class = "QwenImagePipeline"
     transformer_class = "QwenImageTransformer2DModel"
     cfg_guidance = True  # true_cfg_scale: a second pass on the negative prompt
+    # two DiT calls, the positive first, as QwenImagePipeline makes them: one call on both halves
+    # multiplies at twice the rows, which some CPUs' kernels round differently
+    cfg_batched = False
 
     def build_tiny(self, out_dir: str) -> None:
         from hpcnft.models.tiny_qwen_image import build_tiny_qwen_image

@@ -131,11 +131,11 @@ def test_the_dit_gets_sigma_the_mask_and_the_image_shapes(qwen):
                         null_autocast)
     finally:
         hook.remove()
-    assert len(seen) == 1  # negative and conditional in one batch
-    kw = seen[0]
-    assert torch.equal(kw["timestep"], torch.tensor([750.0, 750.0]) / 1000) and kw["guidance"] is None
-    assert kw["hidden_states"].shape == (2, 4 * 6, 64) and kw["img_shapes"] == [[(1, 4, 6)]] * 2
-    assert torch.equal(kw["encoder_hidden_states_mask"], torch.cat([cond.neg_pooled, cond.pooled]))
+    assert len(seen) == 2  # the conditional pass, then the negative prompt's, as QwenImagePipeline calls
+    for kw, mask in zip(seen, (cond.pooled, cond.neg_pooled)):
+        assert torch.equal(kw["timestep"], torch.tensor([750.0]) / 1000) and kw["guidance"] is None
+        assert kw["hidden_states"].shape == (1, 4 * 6, 64) and kw["img_shapes"] == [[(1, 4, 6)]]
+        assert torch.equal(kw["encoder_hidden_states_mask"], mask)
 
 
 def test_the_sigma_grid_is_shifted_and_ends_at_qwen_images_terminal(qwen):
