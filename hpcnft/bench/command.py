@@ -50,7 +50,8 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                    help="single levers measured one at a time against hpcnft default, e.g. "
                         "attention_backend=cudnn perf.compile_blocks=true, or 'all' for the standard sweep")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="change the 'hpcnft fast' combination (default: hpcnft.perf.levers.FAST), repeatable")
+                   help="change the 'hpcnft fast' combination (default: hpcnft.perf.levers.FAST), repeatable; "
+                        "rollout.prompts_per_step, samples_per_prompt and num_steps change the shapes (every stack)")
     p.add_argument("--variant", dest="variants", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                    help="also measure 'hpcnft fast' with these changes on top (a KEY without a dot is perf.*), "
                         "after it in the same process, at its phases and batch sizes; repeatable")
