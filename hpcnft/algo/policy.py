@@ -16,6 +16,30 @@ from hpcnft.perf import levers
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def read_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the base DiT is read from its folder in: a LoRA run's, all frozen, in the compute
+    dtype (the values a cast of its fp32 copy gives, in half the host memory: FLUX.1-dev's 22 GiB,
+    not 44); a full fine-tune's in fp32, the master copy of its trained weights."""
+    if cfg.train.finetune == "lora":
+        return AUTOCAST_DTYPES.get(cfg.train.precision, torch.float32)
+    return torch.float32
+
+
+@contextlib.contextmanager
+def adapters_in_fp32():
+    """peft draws a new adapter's init in fp32 and then casts it to its base layer's dtype, which
+    rounds it where the base is half precision: kept in fp32, the init has the same bits whatever
+    dtype the base was read in."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    where = BaseTunerLayer._get_base_layer_device_and_dtype
+    BaseTunerLayer._get_base_layer_device_and_dtype = lambda self, base: (where(self, base)[0], None)
+    try:
+        yield
+    finally:
+        BaseTunerLayer._get_base_layer_device_and_dtype = where
+
+
 def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
     """peft LoRA on the configured projections, 'gaussian' init (B = 0: the step-0 model is the
     base), trained weights in fp32."""
@@ -26,7 +50,7 @@ def add_lora(transformer: torch.nn.Module, cfg: Config) -> None:
                       target_modules=list(t.lora_targets))
     # peft draws the LoRA A init from the global RNG: seed it from the config, then put the
     # global state back so nothing else depends on this draw.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), adapters_in_fp32():
         torch.manual_seed(stable_hash("lora_init", t.seed))
         transformer.add_adapter(lora)
     for p in transformer.parameters():

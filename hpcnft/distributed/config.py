@@ -31,9 +31,9 @@ class LayoutConfig:
         "them: to try a layout's code paths on one GPU, for correctness, not speed (the ranks then talk over sockets)",
         on_resume="free")
     stagger_loads: str = setting(
-        "auto", "the train ranks of one host load the base transformer one at a time (it sits in host memory in fp32 "
-        "until cast: FLUX.1-dev's is 44 GiB): `auto` where all at once would take over 80 % of the memory available "
-        "as they start, `always`, `never`", choices=STAGGER, on_resume="free")
+        "auto", "the train ranks of one host load the base transformer one at a time (it sits in host memory until it "
+        "moves: FLUX.1-dev's is 22 GiB in a LoRA run's bf16, 44 GiB in a full fine-tune's fp32): `auto` where all at "
+        "once would take over 80 % of the memory available as they start, `always`, `never`", choices=STAGGER, on_resume="free")
     reward_transport: str = setting(
         "auto", "how the images reach the reward ranks: `gloo` (copied to the host, sent over gloo), `nccl` (from "
         "device to device on a communicator per train/reward pair; an NCCL job only), `auto` (gloo: "

@@ -1,6 +1,6 @@
-"""Train ranks of one host take turns while their base transformer sits in host memory in fp32
-(from the folder's load until Policy casts it to the compute dtype): FLUX.1-dev's is 44 GiB, so
-two ranks loading at once can take a 128 GiB node. `layout.stagger_loads = "auto"` takes turns only
+"""Train ranks of one host take turns while their base transformer sits in host memory, from the
+folder's load until Policy moves it (a LoRA run's in the compute dtype, FLUX.1-dev's 22 GiB in
+bf16; a full fine-tune's in fp32, 44 GiB), so that two ranks loading at once do not take a node. `layout.stagger_loads = "auto"` takes turns only
 where all of them at once would pass STAGGER_FRACTION of the memory available when the ranks start;
 a turn is an exclusive lock on a host-local file named after the run dir."""
 from __future__ import annotations
@@ -15,11 +15,11 @@ import tempfile
 STAGGER_FRACTION = 0.8
 
 
-def fp32_bytes(path: str, subfolder: str = "transformer") -> int:
-    """The part's parameters x 4 bytes, from its safetensors headers (no weights read)."""
+def read_bytes(path: str, itemsize: int = 4, subfolder: str = "transformer") -> int:
+    """The part's parameters x `itemsize` bytes, from its safetensors headers (no weights read)."""
     from hpcnft.models.folder_check import read_header, weight_files
 
-    return 4 * sum(math.prod(shape) for rel in weight_files("", path, subfolder)
+    return itemsize * sum(math.prod(shape) for rel in weight_files("", path, subfolder)
                    for shape in read_header("", path, rel).values())
 
 

@@ -7,7 +7,7 @@ import torch
 
 from hpcnft.algo.registry import algorithm_for
 from hpcnft.algo.iteration import Learner
-from hpcnft.algo.policy import Policy
+from hpcnft.algo.policy import Policy, read_dtype
 from hpcnft.algo.reward import load_terms, make_score_fn, reply_columns
 from hpcnft.algo.root_config import Config
 from hpcnft.common import determinism
@@ -24,13 +24,13 @@ def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> L
     family = base_family(cfg)
     offload = cfg.perf.text_encoders == "offload"
     # On a GPU the text encoders are read straight into the compute dtype (the same values as a
-    # cast of their fp32 copy); the DiT is read in fp32 and cast by Policy, after its adapters
-    # are made, so the LoRA init has the same bits wherever the base comes from.
+    # cast of their fp32 copy); so is a LoRA run's DiT, on any device (policy.read_dtype; its
+    # adapters are made in fp32 whatever the base's dtype).
     half = topo.device.type == "cuda" and cfg.train.precision != "fp32"
     encoders_dtype = (torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16) if half else None
     with load_turn(cfg.run_dir, take_turns(cfg, topo, paths.base, say)):
         pipe = family.load(paths.base, torch.float32, topo.device, torch.device("cpu") if offload else None,
-                           encoders_dtype)
+                           encoders_dtype, read_dtype(cfg))
         policy = Policy(cfg, pipe.transformer, topo.device, mesh)
     levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.role == "colocated":
@@ -49,15 +49,17 @@ def take_turns(cfg: Config, topo, base: str, say) -> bool:
     (layout.stagger_loads); rank 0 says so when they do."""
     import psutil
 
-    from hpcnft.models.load_turns import fp32_bytes, turns_needed
+    from hpcnft.models.load_turns import read_bytes, turns_needed
 
     host = topo.hosts[topo.rank] if topo.hosts else ""
     peers = sum(1 for r in topo.train_ranks if not topo.hosts or topo.hosts[r] == host)
     if peers < 2 or cfg.layout.stagger_loads == "never":
         return False
-    per_rank, available = fp32_bytes(base), psutil.virtual_memory().available
+    dtype = read_dtype(cfg)
+    per_rank, available = read_bytes(base, dtype.itemsize), psutil.virtual_memory().available
     take = turns_needed(cfg.layout.stagger_loads, per_rank, peers, available)
     if take:
         say(f"the train ranks of a host load the base transformer one at a time ({peers} x "
-            f"{per_rank / 2**30:.1f} GiB in fp32 beside {available / 2**30:.0f} GiB available; layout.stagger_loads)")
+            f"{per_rank / 2**30:.1f} GiB in {str(dtype).removeprefix('torch.')} beside {available / 2**30:.0f} GiB "
+            f"available; layout.stagger_loads)")
     return take

@@ -34,13 +34,13 @@ class Family:
         return getattr(models_cfg, self.dir_key.split(".", 1)[1])
 
     def load(self, path: str, dtype: torch.dtype, device: torch.device, text_encoder_device=None,
-             text_encoder_dtype: torch.dtype | None = None):
+             text_encoder_dtype: torch.dtype | None = None, transformer_dtype: torch.dtype | None = None):
         """The family's real diffusers pipeline from a local folder (safetensors only), frozen and
         in eval mode: the VAE on `device`, the text encoders on `text_encoder_device` where given
         (else `device`) in `text_encoder_dtype` where given (else `dtype`), the transformer in
-        host memory. Policy casts the transformer to the compute dtype (and
-        perf.base_fp8_storage's fp8) before it moves it to `device`, so the GPU never holds its
-        fp32 copy (FLUX.1: 44 GiB)."""
+        host memory in `transformer_dtype` where given (else `dtype`). Policy casts the transformer
+        to the compute dtype (and perf.base_fp8_storage's fp8) before it moves it to `device`, so
+        the GPU never holds a wider copy than it keeps."""
         check_folder(self.dir_key, path, self.required)
         quiet_libraries()
         import diffusers
@@ -48,8 +48,11 @@ class Family:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                dtypes = {"default": dtype, **{name: text_encoder_dtype for name in self.text_encoder_names}} \
-                    if text_encoder_dtype is not None else dtype
+                dtypes = {"default": dtype}
+                if text_encoder_dtype is not None:
+                    dtypes.update({name: text_encoder_dtype for name in self.text_encoder_names})
+                if transformer_dtype is not None:
+                    dtypes["transformer"] = transformer_dtype
                 pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
                     path, local_files_only=True, use_safetensors=True, dtype=dtypes)
         except Exception as e:  # noqa: BLE001 - any loader failure becomes one line

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hpcnft.models.load_turns import fp32_bytes, load_turn, turns_needed
+from hpcnft.models.load_turns import load_turn, read_bytes, turns_needed
 
 GIB = 2**30
 
@@ -45,10 +45,11 @@ def test_a_turn_waits_for_the_one_before_it_on_the_same_run_dir(tmp_path):
         pass  # other runs on the host have turns of their own
 
 
-def test_the_fp32_size_is_read_from_the_headers(tiny_models):
+def test_the_size_at_a_dtype_is_read_from_the_headers(tiny_models):
     import torch
     from diffusers import SD3Transformer2DModel
 
     dit = SD3Transformer2DModel.from_pretrained(f"{tiny_models[0]}/transformer")
     expected = sum(t.numel() for t in dit.state_dict().values()) * 4
-    assert fp32_bytes(tiny_models[0]) == expected and dit.dtype == torch.float32
+    assert read_bytes(tiny_models[0]) == expected and dit.dtype == torch.float32
+    assert read_bytes(tiny_models[0], 2) == expected // 2
