@@ -12,7 +12,9 @@ Each phase adds to the JSON as it ends (a run cut short keeps what it measured):
 folders' size and time; per run the start-up (command to the first step line, and to "models
 loaded"), each step's parts from run.h5 (perf/*), the checkpoints' sizes and write times (rank 0's
 log), each rank's peak host RSS and GPU memory (sampled every second from /proc and
-nvidia-smi), the resume's start-up and whether `hpcnft compare` found the runs bit-identical."""
+nvidia-smi), the resume's start-up and whether `hpcnft compare` found the runs bit-identical;
+with `--bench auto`, the bench's one-process iteration at the job's own settings and the job's
+efficiency (that iteration / the job's steady one)."""
 from __future__ import annotations
 
 import argparse
@@ -124,14 +126,19 @@ def run_job(report: Report, label: str, argv: list[str], preempt_at: int = 0) ->
                             start_new_session=True, env=ENV)
     sampler = Sampler(argv[argv.index("--run-dir") + 1])
     sampler.start()
-    marks, lines = {}, []
+    marks, lines, done = {}, [], False
     try:
-        return _follow(report, label, proc, sampler, t0, marks, lines, preempt_at)
+        res = _follow(report, label, proc, sampler, t0, marks, lines, preempt_at)
+        done = True
+        return res
     finally:
         if proc.poll() is None:  # this tool stopped (its own time limit): the job must not outlive it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         sampler.stop.set()
+        if not done:  # what was measured until then
+            report.put(label, {"cut": True, "wall_s": round(time.perf_counter() - t0, 1),
+                               **{k: round(v, 1) for k, v in marks.items()}, **sampler.peaks(), "tail": lines[-6:]})
 
 
 def _follow(report: Report, label: str, proc, sampler, t0: float, marks: dict, lines: list, preempt_at: int) -> dict:
@@ -183,6 +190,46 @@ def run_facts(run_dir: str) -> dict:
             "events": [(e["step"], e["kind"]) for e in r.events], "topology": dict(r.topology)}
 
 
+def auto_bench(family: str, args, sets: list[str]) -> tuple[list[str], str, dict]:
+    """`--bench auto`: hpcnft bench's fast stack at the job's settings (hpcnft.bench.job_settings),
+    its iteration alone; returns (the bench's arguments, its stack's key, what still differs)."""
+    import torch
+
+    from hpcnft.algo.root_config import load_config
+    from hpcnft.bench.job_settings import job_sets
+    from hpcnft.bench.shapes import SHAPES
+
+    shapes = {"sd3": "tiny", "flux": "tiny_flux"}[family] if args.cpu else args.model
+    job = load_config(args.recipe, sets)
+    items, left = job_sets(SHAPES[shapes](), torch.device("cpu" if args.cpu else "cuda"), job)
+    name = job.algo.name
+    return (["--shapes", shapes, "--algo", name, "--no-default", "--own-shapes", "--phases", "iteration",
+             "--iteration-warm", "1", "--iteration-reps", "2", *[w for i in items for w in ("--set", i)]],
+            "hpcnft_fast" if name == "nft" else f"hpcnft_fast_{name}", left)
+
+
+def efficiency(full: dict, bench_json: str, stack: str) -> dict:
+    """The job's efficiency: the bench's one-process iteration / the job's steady one (its steps
+    after the first, median)."""
+    import statistics
+
+    steps = full.get("parts", {}).get("perf/iteration_s", {})
+    steady = [v for s, v in steps.items() if int(s) > 1] or list(steps.values())
+    with open(bench_json) as f:
+        it = json.load(f)["stacks"][stack]["phases"].get("iteration", {})
+    if not steady or "s" not in it:
+        return {"missing": "the job's iterations" if not steady else "the bench's iteration"}
+    job_s = statistics.median(steady)
+    return {"job_iteration_s": round(job_s, 3), "bench_iteration_s": round(it["s"], 3),
+            "bench_runs_s": it.get("runs_s"), "efficiency": round(it["s"] / job_s, 3)}
+
+
+def interrupted(signum, frame):
+    """`timeout`'s SIGTERM ends this tool as Ctrl-C does: the job it runs is stopped, what it
+    measured kept."""
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(BASES), required=True)
@@ -194,9 +241,11 @@ def main() -> int:
     p.add_argument("--preempt-at", type=int, default=3)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--phases", default=",".join(PHASES))
-    p.add_argument("--bench", default="", help="the hpcnft bench arguments to run beside the job (bench phase)")
+    p.add_argument("--bench", default="", help="the hpcnft bench arguments to run beside the job (bench phase); "
+                   "'auto [MORE]': its fast stack's iteration at the job's own settings, and the job's efficiency")
     p.add_argument("--cpu", action="store_true", help="gloo on the CPU (to try this tool on the tiny models)")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, interrupted)
     phases = args.phases.split(",")
     report = Report(args.out, os.path.splitext(args.out)[0] + ".log")
     family, key = BASES[args.model]
@@ -250,11 +299,18 @@ def main() -> int:
                               "diffusers_load_rc": load.returncode, "diffusers_load": (load.stdout + load.stderr)[-800:]})
     if "bench" in phases and args.bench:
         bench_json = os.path.splitext(args.out)[0] + "-bench.json"
+        bench_args, stack, left = args.bench.split(), None, {}
+        if bench_args[0] == "auto":  # the bench's stack at this job's own settings
+            auto, stack, left = auto_bench(family, args, sets)
+            bench_args = auto + bench_args[1:]
         t0 = time.perf_counter()
-        res = subprocess.run(hpcnft("bench", *args.bench.split(), "--json", bench_json), capture_output=True,
+        res = subprocess.run(hpcnft("bench", *bench_args, "--json", bench_json), capture_output=True,
                              text=True, cwd=REPO, env=ENV)
         report.put("bench", {"rc": res.returncode, "s": round(time.perf_counter() - t0, 1), "json": bench_json,
+                             "args": bench_args, "settings_not_matched": left,
                              "tail": (res.stdout + res.stderr)[-1500:]})
+        if stack and res.returncode == 0 and isinstance(report.data.get("full"), dict):
+            report.put("efficiency", efficiency(report.data["full"], bench_json, stack))
     return 0
 
 

@@ -372,11 +372,11 @@ def world1_mesh(dev):
     return _MESH[0]
 
 
-# --set keys that change the shapes themselves: the step's sample count and the sampler's steps. The
-# bench follows them everywhere (the eager stack, the per-sample rates), so that it can be set beside a
-# job at the job's own settings.
+# --set keys that change the shapes themselves: the step's sample count, the sampler's steps and the
+# T5 length. The bench follows them everywhere (the eager stack, the per-sample rates), so that it
+# can be set beside a job at the job's own settings (bench/job_settings.py).
 SHAPE_KEYS = {"rollout.prompts_per_step": "prompts", "rollout.samples_per_prompt": "per_prompt",
-              "rollout.num_steps": "num_steps"}
+              "rollout.num_steps": "num_steps", "rollout.max_sequence_length": "t5_tokens"}
 
 
 def with_sets(S: Shapes, overrides: dict) -> Shapes:
