@@ -198,6 +198,7 @@ def auto_bench(family: str, args, sets: list[str]) -> tuple[list[str], str, dict
     from hpcnft.algo.root_config import load_config
     from hpcnft.bench.job_settings import job_sets
     from hpcnft.bench.shapes import SHAPES
+    from hpcnft.bench.stack import DEFAULT_ALGO
 
     shapes = {"sd3": "tiny", "flux": "tiny_flux"}[family] if args.cpu else args.model
     job = load_config(args.recipe, sets)
@@ -205,7 +206,7 @@ def auto_bench(family: str, args, sets: list[str]) -> tuple[list[str], str, dict
     name = job.algo.name
     return (["--shapes", shapes, "--algo", name, "--no-default", "--own-shapes", "--phases", "iteration",
              "--iteration-warm", "1", "--iteration-reps", "2", *[w for i in items for w in ("--set", i)]],
-            "hpcnft_fast" if name == "nft" else f"hpcnft_fast_{name}", left)
+            "hpcnft_fast" if name == DEFAULT_ALGO else f"hpcnft_fast_{name}", left)
 
 
 def efficiency(full: dict, bench_json: str, stack: str) -> dict:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from hpcnft.algo.registry import specs
 from hpcnft.bench.levers import fast_overrides
 from hpcnft.bench.shapes import Shapes, with_sets
 from hpcnft.bench.stack import DEFAULT_ALGO, _toml, bench_config
 
-SECTIONS = ("rollout", "train", "perf", "nft", "grpo", "mixgrpo", "determinism", "optim")
+# the settings a one-process iteration runs by: these sections, and every algorithm's own
+SECTIONS = ("rollout", "train", "perf", "determinism", "optim", *(s.section for s in specs()),
+            *(k for s in specs() for k in s.owns))
 # the job's sharding and budget choices: a one-process stack has no FSDP2 mesh to apply them to
 NOT_IN_ONE_PROCESS = ("perf.replicate_frozen_base", "perf.skip_single_rank_fsdp", "perf.fsdp_cpu_offload",
                       "perf.memory_budget_gib")
