@@ -1,7 +1,9 @@
 """A train rank's parts wired together: the base model loaded (the host's train ranks taking
-turns where their fp32 copies would not fit at once), the policy, the reward client (the reward
+turns where their copies of the base would not fit at once), the policy, the reward client (the reward
 rank's, or scoring in this process), the algorithm's trainer, and the Learner over them."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -29,9 +31,13 @@ def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> L
     half = topo.device.type == "cuda" and cfg.train.precision != "fp32"
     encoders_dtype = (torch.float16 if cfg.train.precision == "fp16" else torch.bfloat16) if half else None
     with load_turn(cfg.run_dir, take_turns(cfg, topo, paths.base, say)):
+        t0 = time.perf_counter()
         pipe = family.load(paths.base, torch.float32, topo.device, torch.device("cpu") if offload else None,
                            encoders_dtype, read_dtype(cfg))
+        say(f"pipeline read in {time.perf_counter() - t0:.1f} s (its DiT {dit_size(pipe.transformer)}, in host memory)")
+        t0 = time.perf_counter()
         policy = Policy(cfg, pipe.transformer, topo.device, mesh)
+        say(f"DiT made trainable and moved to {topo.device.type} in {time.perf_counter() - t0:.1f} s")
     levers.prepare_vae(pipe.vae, cfg)  # perf.vae_dtype, vae_channels_last, compile_vae, cudnn_benchmark
     if topo.role == "colocated":
         client = LocalRewardClient(make_score_fn(cfg, load_terms(cfg, topo.device)),
@@ -42,6 +48,15 @@ def build_train_rank(cfg: Config, topo, group, mesh, say=lambda text: None) -> L
     algorithm = algorithm_for(cfg)  # algo.name's sampler, train batch and trainer
     algorithm.make_trainer(policy, group, len(topo.train_ranks))
     return Learner(cfg, topo, group, mesh, client, pipe, policy, algorithm)
+
+
+def dit_size(transformer) -> str:
+    """Its parameters' bytes, and their dtype where they share one (the user's check of what was read)."""
+    params = list(transformer.parameters())
+    n = sum(p.numel() * p.element_size() for p in params)
+    dtypes = {str(p.dtype).removeprefix("torch.") for p in params}
+    size = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return size + (f" in {dtypes.pop()}" if len(dtypes) == 1 else "")
 
 
 def take_turns(cfg: Config, topo, base: str, say) -> bool:

@@ -39,6 +39,11 @@ def test_the_terminal_shows_loading_progress_and_a_closing_summary(tiny_run):
     assert lines.index("hpcnft: reward = pickscore (PickScore)") < lines.index(
         [x for x in lines if x.startswith("step 1/3")][0])
     assert any(re.fullmatch(r"hpcnft: models loaded in \d+\.\d s", line) for line in lines), tiny_run.stdout
+    # its parts as they end: what was read (the DiT's size and dtype), then the DiT made ready
+    read = [i for i, x in enumerate(lines) if re.fullmatch(
+        r"hpcnft: pipeline read in \d+\.\d s \(its DiT \d+\.\d MiB in float32, in host memory\)", x)]
+    ready = [i for i, x in enumerate(lines) if re.fullmatch(r"hpcnft: DiT made trainable and moved to cpu in \d+\.\d s", x)]
+    assert len(read) == len(ready) == 1 and lines.index("hpcnft: loading the models") < read[0] < ready[0], tiny_run.stdout
     where = re.escape(tiny_run.run_dir)
     assert re.fullmatch(rf"hpcnft: finished 3 steps \(3 in this start, \d\d:\d\d:\d\d\); run file {where}/run\.h5; "
                         rf"last checkpoint {where}/checkpoints/step_000003", lines[-1]), tiny_run.stdout
