@@ -28,7 +28,7 @@ def test_the_tool_measures_a_run_its_preemption_resume_comparison_and_export(tin
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "real_scale_job.py"), "--model", "sd35m",
                         "--recipe", "tiny", "--weights", str(weights), "--runs", str(tmp_path / "runs"), "--out",
                         str(out), "--steps", "4", "--preempt-at", "3", "--cpu", "--phases", "make,run,resume,export,bench",
-                        "--set", "checkpoint.every=2", "--bench", "auto"], capture_output=True, text=True, timeout=600,
+                        "--set", "checkpoint.every=2", "--bench", "auto --iteration-warm 0 --iteration-reps 1"], capture_output=True, text=True, timeout=600,
                        env={**os.environ, **launcher})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(out.read_text())
@@ -47,6 +47,7 @@ def test_the_tool_measures_a_run_its_preemption_resume_comparison_and_export(tin
     bench = got["bench"]
     assert bench["rc"] == 0 and bench["settings_not_matched"] == {}, bench
     assert "determinism.enabled=true" in bench["args"] and "rollout.samples_per_prompt=4" in bench["args"]
+    assert bench["args"][-4:] == ["--iteration-warm", "0", "--iteration-reps", "1"]  # what follows "auto"
     doc = json.loads(open(bench["json"]).read())
     assert doc["stacks"]["hpcnft_fast"]["phases"]["iteration"]["samples"] == 16
     eff = got["efficiency"]
