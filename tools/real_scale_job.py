@@ -197,10 +197,10 @@ def auto_bench(family: str, args, sets: list[str]) -> tuple[list[str], str, dict
 
     from hpcnft.algo.root_config import load_config
     from hpcnft.bench.job_settings import job_sets
-    from hpcnft.bench.shapes import SHAPES
+    from hpcnft.bench.shapes import SHAPES, tiny_shapes_name
     from hpcnft.bench.stack import DEFAULT_ALGO
 
-    shapes = {"sd3": "tiny", "flux": "tiny_flux"}[family] if args.cpu else args.model
+    shapes = tiny_shapes_name(family) if args.cpu else args.model
     job = load_config(args.recipe, sets)
     items, left = job_sets(SHAPES[shapes](), torch.device("cpu" if args.cpu else "cuda"), job)
     name = job.algo.name

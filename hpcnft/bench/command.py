@@ -10,7 +10,7 @@ from hpcnft.bench.levers import expand_levers, fast_overrides
 from hpcnft.bench.memory_caps import parse_caps
 from hpcnft.bench.report import markdown
 from hpcnft.bench.run import Bench
-from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, with_sets
+from hpcnft.bench.shapes import REAL_SHAPES, SHAPES, tiny_shapes_name, with_sets
 from hpcnft.bench.stack import DEFAULT_ALGO, bench_config
 from hpcnft.common.errors import UsageError
 
@@ -97,7 +97,7 @@ def main(name: str, args: argparse.Namespace) -> int:
 
     S = SHAPES[args.shapes]()
     if args.shapes in REAL_SHAPES and not torch.cuda.is_available():
-        tiny = {"flux": "tiny_flux", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}.get(S.family, "tiny")
+        tiny = tiny_shapes_name(S.family)
         raise UsageError(f"--shapes {args.shapes} needs a CUDA device and none is available "
                          f"(use --shapes {tiny} on a CPU)")
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -5,12 +5,11 @@ values, levers and determinism), so that the job's iteration is set against it l
 sharding choices) is left out and named."""
 from __future__ import annotations
 
-import dataclasses
-
 from hpcnft.algo.registry import specs
 from hpcnft.bench.levers import fast_overrides
 from hpcnft.bench.shapes import Shapes, with_sets
 from hpcnft.bench.stack import DEFAULT_ALGO, _toml, bench_config
+from hpcnft.common.validation import flatten
 
 # the settings a one-process iteration runs by: these sections, and every algorithm's own
 SECTIONS = ("rollout", "train", "perf", "determinism", "optim", *(s.section for s in specs()),
@@ -23,13 +22,9 @@ SIZES = ("rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.num_
          "train.micro_batch", "perf.old_pass_batch", "perf.vae_decode_batch")
 
 
-def flat(cfg, prefix: str = "") -> dict:
+def flat(cfg) -> dict:
     """A config's values by dotted key."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        out.update(flat(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {f"{prefix}{f.name}": v})
-    return out
+    return flatten(cfg.to_dict())
 
 
 def bench_stack_config(S: Shapes, dev, items: list[str], algo: str):

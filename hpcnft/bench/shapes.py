@@ -372,6 +372,11 @@ def world1_mesh(dev):
     return _MESH[0]
 
 
+def tiny_shapes_name(family: str) -> str:
+    """The tiny shapes of a model family (what a CPU can run in place of its real shapes)."""
+    return {"flux": "tiny_flux", "qwen_image": "tiny_qwen_image", "wan": "tiny_wan"}.get(family, "tiny")
+
+
 # --set keys that change the shapes themselves: the step's sample count, the sampler's steps and the
 # T5 length. The bench follows them everywhere (the eager stack, the per-sample rates), so that it
 # can be set beside a job at the job's own settings (bench/job_settings.py).
