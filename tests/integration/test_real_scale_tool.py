@@ -82,5 +82,6 @@ def test_the_tool_stopped_by_its_time_limit_takes_its_job_with_it(tiny_models, t
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive, alive
     cut = json.loads((tmp_path / "out" / "job.json").read_text())["full"]
-    assert cut["cut"] and 0 < cut["loaded_s"] < cut["step_1_s"] < cut["wall_s"]
+    # (the tool is stopped as step 1's line arrives: its wall time may be that line's, to the tenth)
+    assert cut["cut"] and 0 < cut["loaded_s"] < cut["step_1_s"] <= cut["wall_s"]
     assert sorted(cut["host_rss_gib"]) == ["rank0", "rank1", "rank2"]
